@@ -1,0 +1,214 @@
+"""The run config: one strict pydantic model for a whole run, loaded from YAML.
+
+Each stage owns a small section; a stage's fingerprint hashes only the
+sections it reads (see `STAGE_SECTIONS`), so changing `train.lr` never
+invalidates curation. Unknown keys are errors that name their dotted path.
+Overrides use the same dotted paths: `--set train.lr=1e-3`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from draftflow.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyTargetConfig(Section):
+    """A Qwen3-architecture target built offline from a fixed seed (no download)."""
+
+    num_layers: int = Field(6, ge=2)
+    hidden_size: int = Field(64, ge=16)
+    intermediate_size: int = Field(192, ge=16)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(16, ge=4)
+    vocab_size: int = Field(512, ge=300, description="BPE vocabulary to train")
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+class TargetConfig(Section):
+    path: str | None = Field(
+        None, description="HF model id or local folder; null builds the tiny target"
+    )
+    revision: str | None = None
+    tiny: TinyTargetConfig = TinyTargetConfig()
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+
+
+class SourceConfig(Section):
+    name: str
+    path: str
+    format: Literal["auto", "sharegpt", "openai", "alpaca"] = "auto"
+
+
+class CurateConfig(Section):
+    sources: list[SourceConfig] = Field(default_factory=list)
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    shard_rows: int = Field(1000, ge=1)
+    seed: int = 0
+
+
+class RegenerateConfig(Section):
+    engine: Literal["hf"] = "hf"
+    max_new_tokens: int = Field(512, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    batch_size: int = Field(16, ge=1)
+    enable_thinking: bool = False
+    seed: int = 0
+
+
+class TokenizeConfig(Section):
+    max_length: int = Field(3072, ge=8)
+
+
+class ExtractConfig(Section):
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    batch_size: int = Field(8, ge=1)
+
+
+class DrafterConfig(Section):
+    num_layers: int = Field(5, ge=1)
+    block_size: int = Field(16, ge=2)
+    num_taps: int = Field(5, ge=1)
+    target_layer_ids: list[int] | None = Field(
+        None, description="DFlash ids (output of decoder layer L); null = paper default"
+    )
+    mask_token_id: int | None = Field(None, description="null = len(tokenizer)")
+
+
+class TrainConfig(Section):
+    epochs: int = Field(6, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="cap on optimizer steps")
+    batch_size: int = Field(1, ge=1, description="sequences per optimizer step")
+    lr: float = Field(6e-4, gt=0.0)
+    warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    num_anchors: int = Field(512, ge=1)
+    gamma: float | None = Field(None, gt=0.0, description="null = 7/5/4 for B=16/10/8")
+    checkpoint_every: int = Field(100, ge=1)
+    device: str = "auto"
+    seed: int = 0
+
+
+class EvaluateConfig(Section):
+    max_new_tokens: int = Field(128, ge=1)
+    num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
+    device: str = "auto"
+
+
+class RunConfig(Section):
+    name: str = "run"
+    root: str | None = Field(None, description="local folder or s3://bucket/prefix")
+    target: TargetConfig = TargetConfig()
+    curate: CurateConfig = CurateConfig()
+    regenerate: RegenerateConfig = RegenerateConfig()
+    tokenize: TokenizeConfig = TokenizeConfig()
+    extract: ExtractConfig = ExtractConfig()
+    drafter: DrafterConfig = DrafterConfig()
+    train: TrainConfig = TrainConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
+
+    @model_validator(mode="after")
+    def _default_root(self) -> "RunConfig":
+        if self.root is None:
+            self.root = f"./runs/{self.name}"
+        return self
+
+    def section(self, name: str) -> dict[str, Any]:
+        return getattr(self, name).model_dump(mode="json")
+
+
+# Which config sections each stage's fingerprint hashes (contract 1).
+STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
+    "curate": ("curate",),
+    "regenerate": ("target", "regenerate"),
+    "tokenize": ("target", "tokenize"),
+    "extract": ("target", "extract", "drafter"),
+    "train": ("target", "drafter", "train"),
+    "evaluate": ("target", "drafter", "evaluate"),
+}
+
+
+def _format_validation_error(err: ValidationError, origin: str) -> str:
+    first = err.errors()[0]
+    path = ".".join(str(p) for p in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown config key '{path}' in {origin}; remove it or fix its spelling"
+    return f"invalid config value at '{path}' in {origin}: {first['msg']}"
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set `data['a']['b'] = value` for `dotted='a.b'`, creating dicts on the way."""
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse `key.path=value`; the value is read as YAML (`1e-3`, `true`, `[1, 2]`)."""
+    if "=" not in text:
+        raise ConfigError(f"override '{text}' must look like section.key=value")
+    key, raw = text.split("=", 1)
+    return key.strip(), yaml.safe_load(raw) if raw.strip() else None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a run config from YAML and apply `--set` overrides.
+
+    Raises:
+        ConfigError: missing file, bad YAML, unknown key or invalid value.
+    """
+    data: dict[str, Any] = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p} (give a path such as configs/tiny.yaml)")
+        origin = str(p)
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}".splitlines()[0]) from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {p} must hold a mapping at the top level")
+        _resolve_source_paths(data, p.parent)
+    for text in overrides or []:
+        key, value = parse_override(text)
+        set_dotted(data, key, value)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, origin)) from None
+
+
+def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
+    """Relative local source paths are relative to the project, then to the config file."""
+    for src in (data.get("curate") or {}).get("sources") or []:
+        path = src.get("path") if isinstance(src, dict) else None
+        if not path or "://" in path or Path(path).is_absolute() or Path(path).exists():
+            continue
+        candidate = base / path
+        if candidate.exists():
+            src["path"] = str(candidate)

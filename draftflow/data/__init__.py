@@ -1,0 +1,1 @@
+"""Data formats and curation: the canonical conversation schema, source readers, adapters."""

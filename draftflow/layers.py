@@ -1,0 +1,63 @@
+"""One truth for target layer ids (ARCHITECTURE.md contract 6).
+
+DFlash `target_layer_ids` are 0-based decoder-layer indices: id L means the
+*output* of decoder layer L, which transformers returns as
+`hidden_states[L + 1]` (`hidden_states[0]` is the embedding output).
+EAGLE-3 taps are boundary indices into that same `hidden_states` tuple.
+Every conversion between the two lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from draftflow.errors import ConfigError
+
+
+def default_dflash_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """Taps spread over the target as in the DFlash paper (arXiv 2602.06036).
+
+    `round(1 + i * (N - 4) / (n - 1))` for i in 0..n-1; Qwen3-8B (N=36, n=5)
+    gives [1, 9, 17, 25, 33].
+    """
+    if num_taps < 1:
+        raise ConfigError(f"drafter.num_taps must be >= 1, got {num_taps}")
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 5:
+        raise ConfigError(
+            f"target has {num_target_layers} layers; DFlash default taps need at least 5 "
+            "(set drafter.target_layer_ids explicitly)"
+        )
+    span = num_target_layers - 4
+    # Python's round() is banker's rounding; the formula means round-half-up.
+    return [int(1 + i * span / (num_taps - 1) + 0.5) for i in range(num_taps)]
+
+
+def eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3 low/mid/high boundary indices: 2, N // 2, N - 3."""
+    return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+def hf_hidden_state_index(layer_id: int) -> int:
+    """Index into HF `output_hidden_states` for DFlash layer id L (output of layer L)."""
+    return layer_id + 1
+
+
+def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
+    """Check DFlash layer ids against the target's depth; return them unchanged.
+
+    Raises:
+        ConfigError: an id is outside [0, N-1], repeated, or not increasing.
+    """
+    if not layer_ids:
+        raise ConfigError("drafter.target_layer_ids is empty; give at least one layer id")
+    for lid in layer_ids:
+        if not 0 <= lid < num_target_layers:
+            raise ConfigError(
+                f"drafter.target_layer_ids contains {lid}, but the target has "
+                f"{num_target_layers} decoder layers (valid ids 0..{num_target_layers - 1})"
+            )
+    if list(layer_ids) != sorted(set(layer_ids)):
+        raise ConfigError(
+            f"drafter.target_layer_ids must be strictly increasing, got {list(layer_ids)}"
+        )
+    return list(layer_ids)

@@ -1,0 +1,106 @@
+"""What every stage shares: shard results, rejects, accounting, manifests.
+
+A shard function returns a `ShardResult` dict: the output shard's manifest
+entry, its reject shard's entry (or None), and its accounting
+(`rows_in = rows_out + sum(dropped)`, contract 4). `finalize` checks the
+accounting of the whole stage and writes the manifest, last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+import pyarrow as pa
+
+from draftflow.config import STAGE_SECTIONS, RunConfig
+from draftflow.data.schema import REJECTED, write_rows
+from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+def fingerprint(stage: str, cfg: RunConfig, inputs: dict[str, str]) -> str:
+    """The stage fingerprint from its config sections and input digests."""
+    sections = {name: cfg.section(name) for name in STAGE_SECTIONS[stage]}
+    return stage_fingerprint(stage, sections, inputs)
+
+
+def shard_key(fingerprint_: str, input_sha: str, shard_name: str) -> str:
+    """Cache key of one shard task: content only, never a path or a time (contract 2)."""
+    return digest({"stage": fingerprint_, "input": input_sha, "name": shard_name})[:32]
+
+
+def write_parquet(store: Store, stage: str, fp: str, name: str, rows: list[dict], schema: pa.Schema,
+                  tokens: int = 0, **extra: Any) -> dict[str, Any]:
+    """Write rows as one parquet shard under the stage folder; return its entry."""
+    dest = store.stage_path(stage, fp, name)
+    with store.writing(dest) as tmp:
+        write_rows(tmp, rows, schema)
+        entry = shard_entry(name, tmp, rows=len(rows), tokens=tokens, **extra)
+    return entry
+
+
+def write_rejects(store: Store, stage: str, fp: str, name: str, rejects: list[dict]) -> dict[str, Any] | None:
+    """Bad rows with their reason go to `rejected-<name>`, never only to the log."""
+    if not rejects:
+        return None
+    return write_parquet(store, stage, fp, f"rejected-{name}", rejects, REJECTED)
+
+
+def reject(source: str, reason: str, detail: str, row: Any) -> dict[str, str]:
+    import json
+
+    text = row if isinstance(row, str) else json.dumps(row, ensure_ascii=False, default=str)
+    return {"source": source, "reason": reason, "detail": detail[:500], "row": text[:20000]}
+
+
+def shard_result(entry: dict | None, rejected: dict | None, rows_in: int, rows_out: int,
+                 dropped: Counter | dict, **extra: Any) -> dict[str, Any]:
+    result = {"shard": entry, "rejected": rejected, "rows_in": rows_in, "rows_out": rows_out,
+              "dropped": dict(sorted(dict(dropped).items())), **extra}
+    check_accounting(result, entry["name"] if entry else "shard")
+    return result
+
+
+def check_accounting(counts: dict[str, Any], what: str) -> None:
+    lost = counts["rows_in"] - counts["rows_out"] - sum(counts["dropped"].values())
+    if lost:
+        raise AssertionError(f"{what}: {lost} rows unaccounted for (rows_in={counts['rows_in']}, "
+                             f"rows_out={counts['rows_out']}, dropped={counts['dropped']})")
+
+
+def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str, str],
+             results: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Sum the shard results, check the accounting and write the manifest (last)."""
+    dropped: Counter = Counter()
+    for r in results:
+        dropped.update(r["dropped"])
+    manifest = {
+        "stage": stage,
+        "fingerprint": fp,
+        "code_version": code_version(),
+        "config": {name: cfg.section(name) for name in STAGE_SECTIONS[stage]},
+        "inputs": inputs,
+        "shards": [r["shard"] for r in results if r["shard"]],
+        "rejected": [r["rejected"] for r in results if r["rejected"]],
+        "rows_in": sum(r["rows_in"] for r in results),
+        "rows_out": sum(r["rows_out"] for r in results),
+        "dropped": dict(sorted(dropped.items())),
+        "tokens": sum(r["shard"]["tokens"] for r in results if r["shard"]),
+        "extra": extra or {},
+    }
+    check_accounting(manifest, stage)
+    store.write_manifest(stage, fp, manifest)
+    log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"], manifest["dropped"])
+    return manifest
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    return digest(manifest)
+
+
+def data_shards(manifest: dict[str, Any], split: str | None = None) -> list[dict[str, Any]]:
+    """The manifest's data shards, optionally of one split."""
+    return [s for s in manifest["shards"] if split is None or s.get("split") == split]

@@ -1,0 +1,190 @@
+"""The artifact store: one root (local folder or s3://bucket/prefix) over fsspec.
+
+Contracts 1-3 of ARCHITECTURE.md live here. A stage writes under
+`<root>/<stage>/<fingerprint>/`, where the fingerprint hashes the stage's
+config sections, its inputs' manifest digests and the code version. Every
+shard is written to a local temporary file, hashed, then committed in one step
+(os.replace locally; one PUT on S3, which never exposes a partial object).
+A stage is complete if and only if its `manifest.json` exists and verifies;
+the manifest is written last. This module knows nothing of what shards hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import fsspec
+
+from draftflow import __version__
+from draftflow.errors import StoreError
+
+log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def digest(obj: Any) -> str:
+    """sha256 hex of an object's canonical JSON."""
+    return hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_version() -> str:
+    """The package version plus a hash of the library's source files.
+
+    Any edit to the library gives new fingerprints: conservative (a comment
+    change recomputes) but never stale.
+    """
+    root = Path(__file__).parent
+    h = hashlib.sha256(__version__.encode())
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode())
+        h.update(f.read_bytes())
+    return f"{__version__}+{h.hexdigest()[:12]}"
+
+
+def stage_fingerprint(stage: str, sections: dict[str, Any], inputs: dict[str, str]) -> str:
+    """Contract 1: hash of (config sections, input manifest digests, code version)."""
+    return digest({"stage": stage, "config": sections, "inputs": inputs, "code": code_version()})[:16]
+
+
+class Store:
+    """Paths, atomic writes and manifests under one run root."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.fs, base = fsspec.core.url_to_fs(root)
+        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
+
+    # -- paths ---------------------------------------------------------------
+    def path(self, *parts: str) -> str:
+        return "/".join([self.base, *parts])
+
+    def url(self, path: str) -> str:
+        """A path as the user should see it (s3://… for S3)."""
+        return path if self.is_local else self.fs.unstrip_protocol(path)
+
+    def stage_path(self, stage: str, fingerprint: str, *parts: str) -> str:
+        return self.path(stage, fingerprint, *parts)
+
+    def exists(self, path: str) -> bool:
+        return self.fs.exists(path)
+
+    # -- writing -------------------------------------------------------------
+    @contextmanager
+    def writing(self, dest: str) -> Iterator[str]:
+        """Yield a local temp path; on success commit it to `dest` atomically.
+
+        On an exception the temp file is removed and `dest` is untouched.
+        """
+        if self.is_local:
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(dest)}.", suffix=".tmp", dir=os.path.dirname(dest))
+        else:
+            fd, tmp = tempfile.mkstemp(suffix=".tmp")
+        os.close(fd)
+        try:
+            yield tmp
+            self._commit(tmp, dest)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    def _commit(self, tmp: str, dest: str) -> None:
+        if self.is_local:
+            os.replace(tmp, dest)
+        else:
+            self.fs.put_file(tmp, dest)  # one PUT: the object appears whole or not at all
+
+    def write_bytes(self, dest: str, data: bytes) -> None:
+        with self.writing(dest) as tmp:
+            Path(tmp).write_bytes(data)
+
+    def write_json(self, dest: str, obj: Any) -> None:
+        self.write_bytes(dest, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False).encode())
+
+    # -- reading -------------------------------------------------------------
+    def read_json(self, path: str) -> Any:
+        with self.fs.open(path, "rb") as fh:
+            return json.loads(fh.read())
+
+    def local_path(self, path: str) -> str:
+        """A local file with the content of `path` (S3 objects are downloaded once)."""
+        if self.is_local:
+            return path
+        cache = Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow")) / "store"
+        local = cache / hashlib.sha256(path.encode()).hexdigest()[:24] / os.path.basename(path)
+        if not local.exists():
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(path, str(local) + ".part")
+            os.replace(str(local) + ".part", local)
+        return str(local)
+
+    # -- manifests -----------------------------------------------------------
+    def write_manifest(self, stage: str, fingerprint: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Verify every listed shard, then write the manifest (always last)."""
+        for shard in manifest["shards"] + manifest.get("rejected", []):
+            self._check_shard(stage, fingerprint, shard)
+        self.write_json(self.stage_path(stage, fingerprint, MANIFEST), manifest)
+        return manifest
+
+    def read_manifest(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
+        """The stage's manifest if the stage is complete, else None."""
+        path = self.stage_path(stage, fingerprint, MANIFEST)
+        if not self.exists(path):
+            return None
+        manifest = self.read_json(path)
+        try:
+            for shard in manifest["shards"] + manifest.get("rejected", []):
+                self._check_shard(stage, fingerprint, shard)
+        except StoreError as exc:
+            log.warning("%s: %s; the stage will be recomputed", stage, exc)
+            return None
+        return manifest
+
+    def _check_shard(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> None:
+        path = self.stage_path(stage, fingerprint, shard["name"])
+        if not self.exists(path):
+            raise StoreError(f"shard {self.url(path)} is missing")
+        size = self.fs.size(path)
+        if size != shard["bytes"]:
+            raise StoreError(f"shard {self.url(path)} has {size} bytes, manifest says {shard['bytes']}")
+
+    def verify_sha(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> str:
+        """Local path of a shard whose sha256 matches its manifest entry."""
+        local = self.local_path(self.stage_path(stage, fingerprint, shard["name"]))
+        if sha256_file(local) != shard["sha256"]:
+            raise StoreError(f"shard {shard['name']} of {stage} fails its checksum; delete it and re-run")
+        return local
+
+
+def shard_entry(name: str, local_file: str, rows: int, tokens: int = 0, **extra: Any) -> dict[str, Any]:
+    """The manifest entry of a shard about to be committed from `local_file`."""
+    return {
+        "name": name,
+        "rows": rows,
+        "tokens": tokens,
+        "bytes": os.path.getsize(local_file),
+        "sha256": sha256_file(local_file),
+        **extra,
+    }

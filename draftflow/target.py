@@ -1,0 +1,220 @@
+"""The target model: resolve, fingerprint, load, and build the tiny offline one.
+
+A target is always an ordinary HF model folder (or hub id), so every stage
+loads `Qwen/Qwen3-8B`, a local path and the tiny demo target through the
+same code path. The tiny target is a Qwen3-architecture causal LM with random
+weights from a fixed seed and a byte-level BPE tokenizer trained on the
+bundled sample text, with a ChatML template written for draftflow. It is
+built deterministically, so its fingerprint is stable across machines.
+This module does not know about stages, stores or Prefect.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftflow.config import TargetConfig, TinyTargetConfig
+from draftflow.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+ASSETS = Path(__file__).parent / "assets"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# ChatML with a Qwen3-like <think> block, written for draftflow. Every assistant
+# turn renders its (possibly empty) reasoning, so the template is prefix-stable:
+# the rendering of a history is a prefix of the rendering of any continuation.
+# With enable_thinking=false the generation prompt pre-fills an empty think block.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}"
+    "<|im_start|>assistant\n<think>\n{{ (m.get('reasoning_content') or '') | trim }}\n</think>\n\n"
+    "{{ m['content'] }}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    """Where the target lives and the fingerprint that stands for its content."""
+
+    path: str
+    fingerprint: str
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow"))
+
+
+def folder_fingerprint(path: Path) -> str:
+    """sha256 over every file's relative name and content (weights included)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(path)).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def resolve_target(cfg: TargetConfig, cache_dir: Path | None = None) -> TargetRef:
+    """Return a loadable path and a content fingerprint for the configured target.
+
+    `path: null` builds (once) the tiny target under the cache directory.
+    A local folder is fingerprinted by content; a hub id by id and revision.
+    """
+    if cfg.path is None:
+        return build_tiny_target(cfg.tiny, cache_dir or default_cache_dir())
+    local = Path(cfg.path).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"target.path {local} has no config.json; point it at an HF model folder")
+        return TargetRef(str(local), "local-" + folder_fingerprint(local))
+    if cfg.path.startswith((".", "/", "~")):
+        raise ConfigError(f"target.path {cfg.path} does not exist; give an HF model id or a model folder")
+    if cfg.revision is None:
+        log.warning("target %s has no revision pinned; the cache cannot see hub updates", cfg.path)
+    return TargetRef(cfg.path, f"hf-{cfg.path}@{cfg.revision or 'unpinned'}".replace("/", "--"))
+
+
+def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
+    """Build the tiny target into `cache_dir/tiny-<hash>` unless it is already there."""
+    key = hashlib.sha256(
+        json.dumps({"cfg": cfg.model_dump(), "template": TINY_CHAT_TEMPLATE, "v": 1}, sort_keys=True).encode()
+    ).hexdigest()[:12]
+    out = Path(cache_dir) / f"tiny-{key}"
+    if not (out / ".complete").exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=out.parent))
+        _write_tiny_target(cfg, tmp)
+        (tmp / ".complete").write_text(folder_fingerprint(tmp))
+        if out.exists():  # an incomplete earlier attempt
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+        log.info("built tiny target at %s", out)
+    return TargetRef(str(out), "tiny-" + (out / ".complete").read_text().strip())
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus_lines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=TINY_CHAT_TEMPLATE,
+    )
+
+
+def _corpus_lines() -> list[str]:
+    """Every text of the bundled sample data, in a fixed order."""
+    import pyarrow.parquet as pq
+
+    lines: list[str] = []
+    for path in sorted((ASSETS / "sample_data").glob("*.jsonl")):
+        lines.extend(path.read_text().splitlines())
+    table = pq.read_table(ASSETS / "sample_data" / "alpaca.parquet")
+    for row in table.to_pylist():
+        lines.extend(str(v) for v in row.values())
+    return lines
+
+
+def _write_tiny_target(cfg: TinyTargetConfig, out: Path) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = _train_tokenizer(cfg.vocab_size)
+    # Room for the DFlash mask token at id len(tokenizer), padded to a multiple of 64.
+    vocab = ((len(tokenizer) + 1 + 63) // 64) * 64
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(cfg.seed)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Padding rows (ids >= len(tokenizer), the mask token among them) get a zero
+        # logit, below the random logits of real tokens: greedy never emits them.
+        model.lm_head.weight[len(tokenizer):] = 0.0
+    model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=pad, do_sample=False)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+@functools.lru_cache(maxsize=2)
+def load_target(path: str, dtype: str = "auto", device: str = "auto"):
+    """Load (once per process) the target model in eval mode with its tokenizer.
+
+    Returns:
+        (model, tokenizer)
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(device)
+    torch_dtype = {
+        "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+    }[dtype]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """End-of-turn ids: the generation config's eos ids plus the tokenizer's eos."""
+    ids = model.generation_config.eos_token_id
+    out = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        out.add(tokenizer.eos_token_id)
+    return out
