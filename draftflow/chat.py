@@ -128,7 +128,8 @@ class ChatFormat:
         """Load the tokenizer (and its template) from a local HF folder.
 
         Args:
-            path: folder with tokenizer files (tokenizer.json or vocab/merges, tokenizer_config.json).
+            path: folder with tokenizer files (tokenizer.json or vocab.json + merges.txt,
+                tokenizer_config.json).
             **kwargs: `chat_template` and `template_kwargs`, as for the constructor.
 
         Returns:
@@ -169,7 +170,9 @@ class ChatFormat:
             raise ConversationError("conversation is empty; drop it before tokenizing")
         for i, message in enumerate(messages):
             if not isinstance(message, Mapping):
-                raise ConversationError(f"message {i} is not a dict; each message needs role and content")
+                raise ConversationError(
+                    f"message {i} is not a dict; each message needs role and content"
+                )
             role = message.get("role")
             if role not in ROLES:
                 raise ConversationError(
@@ -178,7 +181,8 @@ class ChatFormat:
             if not isinstance(message.get("content"), str):
                 kind = type(message.get("content")).__name__
                 raise ConversationError(
-                    f"message {i} ({role}) has {kind} content; content must be a string (use '' for none)"
+                    f"message {i} ({role}) has {kind} content; "
+                    "content must be a string (use '' for none)"
                 )
             reasoning = message.get("reasoning_content")
             if reasoning is not None and not isinstance(reasoning, str):
@@ -191,7 +195,7 @@ class ChatFormat:
             )
 
     def _kwargs(self, kw: Mapping[str, Any]) -> dict[str, Any]:
-        return {**self.template_kwargs, **kw}
+        return {"strftime_now": _fixed_strftime_now, **self.template_kwargs, **kw}
 
     def _apply(self, messages: Sequence[Message], **kwargs: Any) -> Any:
         """Validate, then call `apply_chat_template`; template errors become one-line errors."""
@@ -206,7 +210,9 @@ class ChatFormat:
                 f"{_one_line(exc)}); fix the conversation or its template_kwargs"
             ) from exc
 
-    def render(self, messages: Sequence[Message], add_generation_prompt: bool = False, **kw: Any) -> str:
+    def render(
+        self, messages: Sequence[Message], add_generation_prompt: bool = False, **kw: Any
+    ) -> str:
         """Render a conversation to text with the template.
 
         Args:
@@ -221,7 +227,10 @@ class ChatFormat:
             ConversationError: invalid conversation or a template error.
         """
         return self._apply(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self._kwargs(kw)
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self._kwargs(kw),
         )
 
     # -- ids ----------------------------------------------------------------------------------
@@ -245,7 +254,7 @@ class ChatFormat:
         return list(out)
 
     def completion_ids(self, history: Sequence[Message], message: Message, **kw: Any) -> list[int]:
-        """The ids of one assistant message as the target would emit them after `prompt_ids(history)`.
+        """The ids of one assistant message as the target emits them after `prompt_ids(history)`.
 
         Args:
             history: the messages before the assistant turn.
@@ -265,8 +274,9 @@ class ChatFormat:
         full = self.render([*history, message], add_generation_prompt=False, **kw)
         if not full.startswith(prompt):
             raise ConversationError(
-                f"chat template is not prefix-stable for assistant turn {len(history)} (the generation "
-                "prompt is not a prefix of the rendered turn); pass the target's generated ids as completions"
+                f"chat template is not prefix-stable for assistant turn {len(history)} (the "
+                "generation prompt is not a prefix of the rendered turn); "
+                "pass the target's generated ids as completions"
             )
         text = full[len(prompt) :].rstrip()  # the stop token is learned, the template's "\n" is not
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -288,9 +298,10 @@ class ChatFormat:
         Args:
             messages: the conversation.
             completions: the target's generated ids per assistant message index (including its
-                end-of-turn token). When given, only these turns are supervised; the other assistant
-                turns are history only. When None, every assistant turn is supervised with
-                `completion_ids`.
+                end-of-turn token). When given, turns are supervised in order up to the first
+                assistant turn without a (non-empty) entry; later turns are not encoded, since
+                their history would hold an answer the target did not generate. When None,
+                every assistant turn is supervised with `completion_ids`.
             max_length: truncate each row to this many tokens (rows left without a supervised
                 token are dropped).
             **kw: template variables, as for `prompt_ids`.
@@ -309,7 +320,10 @@ class ChatFormat:
         builders: list[_RowBuilder] = []
         for i in turns:
             p = self.prompt_ids(messages[:i], **kw)
-            c = list(completions[i]) if completions is not None else self.completion_ids(messages[:i], messages[i], **kw)
+            if completions is not None:
+                c = list(completions[i])
+            else:
+                c = self.completion_ids(messages[:i], messages[i], **kw)
             if not c:
                 logger.debug("assistant turn %d has no tokens; not supervised", i)
                 continue
@@ -330,7 +344,9 @@ class ChatFormat:
         row would contain that turn in its history.
         """
         first_user = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_user]
+        assistant = [
+            i for i, m in enumerate(messages) if m["role"] == "assistant" and i > first_user
+        ]
         if not assistant:
             raise ConversationError(
                 "conversation has no assistant turn after a user turn; regenerate it or drop it"
@@ -345,13 +361,17 @@ class ChatFormat:
             )
         kept: list[int] = []
         for i in assistant:
-            if i not in completions:
-                logger.debug("assistant turn %d has no generated answer; later turns not encoded", i)
+            if not completions.get(i):
+                logger.debug(
+                    "assistant turn %d has no generated answer; later turns not encoded", i
+                )
                 break
             kept.append(i)
         return kept
 
-    def generation_mask(self, messages: Sequence[Message], **kw: Any) -> tuple[list[int], list[int]]:
+    def generation_mask(
+        self, messages: Sequence[Message], **kw: Any
+    ) -> tuple[list[int], list[int]]:
         """The template's own `{% generation %}` mask (for templates that have the tags).
 
         Args:
@@ -362,15 +382,20 @@ class ChatFormat:
             (input_ids, assistant_mask) of the whole rendered conversation.
 
         Raises:
-            DraftflowError: the template has no `{% generation %}` tags (the mask would be all zero).
+            DraftflowError: the template has no `{% generation %}` tags (the mask would be
+                all zero).
             ConversationError: invalid conversation or a template error.
         """
         if not self.has_generation_tags:
             raise DraftflowError(
-                "the chat template has no {% generation %} tags, so its assistant mask is all zero; "
-                "use encode() instead"
+                "the chat template has no {% generation %} tags, so its assistant mask is "
+                "all zero; use encode() instead"
             )
         out = self._apply(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **self._kwargs(kw)
+            messages,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **self._kwargs(kw),
         )
         return list(out["input_ids"]), list(out["assistant_masks"])

@@ -26,7 +26,7 @@ class Section(BaseModel):
 class TinyTargetConfig(Section):
     """A Qwen3-architecture target built offline from a fixed seed (no download)."""
 
-    num_layers: int = Field(6, ge=2)
+    num_layers: int = Field(8, ge=2)
     hidden_size: int = Field(64, ge=16)
     intermediate_size: int = Field(192, ge=16)
     num_heads: int = Field(4, ge=1)

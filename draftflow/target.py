@@ -18,6 +18,8 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +203,24 @@ def load_target(path: str, dtype: str = "auto", device: str = "auto"):
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer
+
+
+_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> threading.Lock:
+    """One lock per loaded model: forward passes on a shared model run one at a time.
+
+    transformers records `output_hidden_states` through hooks stored on the model
+    object, so two threads running the same model at once corrupt each other's
+    outputs; shard tasks on a thread pool share the process-wide cached model.
+    """
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.Lock()
+        return lock
 
 
 def resolve_device(device: str) -> str:

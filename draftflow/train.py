@@ -69,7 +69,7 @@ class BlockBatch:
     attn_mask: torch.Tensor  # (1, Q, T+Q) bool
     labels: torch.Tensor  # (1, Q) int64, IGNORE at slot 0 and unsupervised targets
 
-    def to(self, device: torch.device | str) -> "BlockBatch":
+    def to(self, device: torch.device | str) -> BlockBatch:
         return BlockBatch(**{k: v.to(device) for k, v in vars(self).items()})
 
 
@@ -230,3 +230,194 @@ def step_indices(step: int, n_samples: int, tcfg: TrainConfig) -> list[int]:
 def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
     """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def _train_step(drafter, opt, sched, seqs: list[FeatureSample], step: int, tcfg: TrainConfig,
+                gamma: float, device: torch.device) -> dict[str, Any]:
+    """One optimizer step over `seqs` (gradient accumulation, one sequence per forward)."""
+    cfg = drafter.config
+    batches = [
+        build_training_batch(s, cfg.block_size, tcfg.num_anchors,
+                             anchor_generator(tcfg.seed, step, j), cfg.mask_token_id)
+        for j, s in enumerate(seqs)
+    ]
+    batches = [b for b in batches if b is not None]
+    weights = slot_weights(cfg.block_size, gamma)
+    # Normalise by the whole step's valid weight, known before any forward pass.
+    w_total = sum(float((weights * (b.labels.view(-1, cfg.block_size) != IGNORE)).sum()) for b in batches)
+    opt.zero_grad(set_to_none=True)
+    stats = []
+    for b in batches:
+        b = b.to(device)
+        logits = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
+        st = dflash_loss(logits, b.labels, cfg.block_size, gamma)
+        if w_total > 0:
+            (st.weighted_sum / w_total).backward()
+        stats.append(st)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+    opt.step()  # parameters without gradients (empty step) are left untouched
+    sched.step()
+    return _step_record(stats, w_total, cfg.block_size, skipped=len(seqs) - len(batches))
+
+
+def _step_record(stats: list[LossStats], w_total: float, block_size: int, skipped: int) -> dict:
+    zeros = [0.0] * (block_size - 1)
+    return {
+        "loss": sum(float(s.weighted_sum.detach()) for s in stats) / w_total if w_total > 0 else float("nan"),
+        "correct": sum((s.correct for s in stats), torch.tensor(zeros, dtype=torch.float64)).tolist(),
+        "valid": sum((s.valid for s in stats), torch.tensor(zeros, dtype=torch.float64)).tolist(),
+        "leading": float(sum(int(s.leading.sum()) for s in stats)),
+        "blocks": sum(int(s.leading.numel()) for s in stats),
+        "skipped": skipped,
+    }
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint folder under `out_dir/checkpoints`, if any."""
+    root = Path(out_dir) / CKPT_DIR
+    done = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
+    return done[-1] if done else None
+
+
+def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched,
+                    state: dict, meta: dict) -> Path:
+    """Write weights + optimizer + scheduler + loop state to a temp folder, then rename."""
+    root = Path(out_dir) / CKPT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{state['step']:08d}"
+    tmp = root / f".tmp_{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    weights = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
+    save_file(weights, str(tmp / "model.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "torch_rng": torch.get_rng_state(), "loop": state}, tmp / "state.pt")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)  # the folder appears complete or not at all
+    for old in sorted(root.glob("step_*"))[:-KEEP_CHECKPOINTS]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict,
+                    device: torch.device) -> dict:
+    """Restore a checkpoint into live objects; return the loop state.
+
+    Raises:
+        ConfigError: the checkpoint was written by a run with different settings.
+    """
+    saved = json.loads((path / "meta.json").read_text())
+    if saved != meta:
+        diff = sorted(k for k in set(saved) | set(meta) if saved.get(k) != meta.get(k))
+        raise ConfigError(
+            f"checkpoint {path} was written with different settings ({diff}); "
+            "delete that checkpoints folder or train into a new output folder"
+        )
+    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=False)
+    blob = torch.load(path / "state.pt", map_location=device, weights_only=True)
+    opt.load_state_dict(blob["optimizer"])
+    sched.load_state_dict(blob["scheduler"])
+    torch.set_rng_state(blob["torch_rng"].cpu())
+    return blob["loop"]
+
+
+def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:
+    """What a checkpoint must agree with to be resumed (device and cadence may change)."""
+    train = tcfg.model_dump(mode="json", exclude={"device", "checkpoint_every"})
+    return {"drafter": dcfg.to_dict(), "train": train, "samples": [s.sample_id for s in samples]}
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' -> cuda when available, else cpu; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def train_drafter(samples: list[FeatureSample], target_model, dcfg: DFlashConfig,
+                  tcfg: TrainConfig, out_dir: str, resume: bool = True) -> dict:
+    """Train a DFlash drafter on feature samples; checkpoint and resume in `out_dir`.
+
+    Args:
+        samples: sequences with tap features in `dcfg.target_layer_ids` order.
+        target_model: the HF target; only its embedding and LM head are used (frozen,
+            and moved to the training device with the drafter).
+        dcfg: drafter shape. tcfg: the `train` config section.
+        out_dir: local folder; gets `checkpoints/`, the final drafter
+            (`model.safetensors`, `config.json`, loadable by `DFlashDrafter.load`)
+            and `metrics.json`.
+        resume: continue from the newest checkpoint in `out_dir` when there is one.
+
+    Returns:
+        Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1,
+        tau_est, steps, trainable_params, frozen_params, skipped_sequences.
+    """
+    if not samples:
+        raise ConfigError("no training samples: the extract stage produced no features")
+    device = resolve_device(tcfg.device)
+    torch.manual_seed(tcfg.seed)  # drafter init
+    drafter = DFlashDrafter(dcfg, target_model).to(device)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad],
+                            lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    total = total_steps(len(samples), tcfg)
+    lam = warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
+    meta = _run_meta(samples, dcfg, tcfg)
+    state: dict[str, Any] = {"step": 0, "history": [], "window": []}
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, drafter, opt, sched, meta, device)
+        logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
+    _run_steps(drafter, opt, sched, samples, tcfg, state, total, out_dir, meta, device)
+    drafter.save(out_dir)
+    metrics = _metrics(state, drafter)
+    (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def _run_steps(drafter, opt, sched, samples, tcfg, state, total, out_dir, meta, device) -> None:
+    gamma = tcfg.gamma or default_gamma(drafter.config.block_size)
+    log_every = max(1, total // 20)
+    drafter.train()
+    while state["step"] < total:
+        idx = step_indices(state["step"], len(samples), tcfg)
+        rec = _train_step(drafter, opt, sched, [samples[i] for i in idx], state["step"],
+                          tcfg, gamma, device)
+        state["step"] += 1
+        state["history"].append(rec["loss"])
+        state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
+        if state["step"] % log_every == 0 or state["step"] == total:
+            logger.info("step %d/%d loss %.4f lr %.2e", state["step"], total, rec["loss"],
+                        sched.get_last_lr()[0])
+        if state["step"] % tcfg.checkpoint_every == 0 or state["step"] == total:
+            save_checkpoint(out_dir, drafter, opt, sched, state, meta)
+
+
+def _metrics(state: dict, drafter: DFlashDrafter) -> dict:
+    window = state["window"]
+    correct = torch.tensor([r["correct"] for r in window]).sum(0)
+    valid = torch.tensor([r["valid"] for r in window]).sum(0)
+    blocks = sum(r["blocks"] for r in window)
+    losses = [r["loss"] for r in window if not math.isnan(r["loss"])]
+    trainable, frozen = drafter.param_counts()
+    return {
+        "loss": sum(losses) / len(losses) if losses else float("nan"),
+        "first_loss": state["history"][0] if state["history"] else float("nan"),
+        "accuracy": (correct / valid.clamp_min(1)).tolist(),
+        "tau_est": 1.0 + sum(r["leading"] for r in window) / max(1, blocks),
+        "steps": state["step"],
+        "trainable_params": trainable,
+        "frozen_params": frozen,
+        "skipped_sequences": sum(r["skipped"] for r in window),
+    }

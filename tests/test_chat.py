@@ -24,7 +24,11 @@ LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>
 
 TWO_TURNS = [
     {"role": "user", "content": "What is the capital of France?"},
-    {"role": "assistant", "content": "Paris is the capital.", "reasoning_content": "A geography question."},
+    {
+        "role": "assistant",
+        "content": "Paris is the capital.",
+        "reasoning_content": "A geography question.",
+    },
     {"role": "user", "content": "And 2+2?"},
     {"role": "assistant", "content": "2+2 equals 4.", "reasoning_content": "Simple arithmetic."},
 ]
@@ -42,9 +46,14 @@ def qwen_tok():
 
 @pytest.fixture(scope="session")
 def llama_tok(qwen_tok):
-    """The Qwen tokenizer with Llama-3's marker strings as atomic special tokens (text logic only)."""
+    """The Qwen tokenizer plus Llama-3's marker strings as atomic special tokens.
+
+    Only the template's text logic is under test, so Qwen's BPE is fine for the rest.
+    """
     tok = copy.deepcopy(qwen_tok)
-    tok.add_special_tokens({"additional_special_tokens": LLAMA_SPECIALS}, replace_additional_special_tokens=False)
+    tok.add_special_tokens(
+        {"additional_special_tokens": LLAMA_SPECIALS}, replace_additional_special_tokens=False
+    )
     return tok
 
 
@@ -60,7 +69,9 @@ def spans(mask: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def check_rows(cf: ChatFormat, messages, rows: list[EncodedRow], expected: dict[int, str], **kw) -> None:
+def check_rows(
+    cf: ChatFormat, messages, rows: list[EncodedRow], expected: dict[int, str], **kw
+) -> None:
     """The serving-prefix and supervised-text invariants for every row and span."""
     tok = cf.tokenizer
     seen = []
@@ -72,10 +83,16 @@ def check_rows(cf: ChatFormat, messages, rows: list[EncodedRow], expected: dict[
         for (start, end), turn in zip(row_spans, row.turns, strict=True):
             history = messages[:turn]
             served = tok.apply_chat_template(
-                history, chat_template=cf.chat_template, add_generation_prompt=True, tokenize=True,
-                **cf.template_kwargs, **kw,
+                history,
+                chat_template=cf.chat_template,
+                add_generation_prompt=True,
+                tokenize=True,
+                **cf.template_kwargs,
+                **kw,
             )
-            assert row.input_ids[:start] == list(served), f"turn {turn}: context differs from serving"
+            assert row.input_ids[:start] == list(served), (
+                f"turn {turn}: context differs from serving"
+            )
             text = tok.decode(row.input_ids[start:end])
             assert text == expected[turn]
             assert not text.endswith("\n")
@@ -90,10 +107,15 @@ def test_qwen3_thinking_drops_history_reasoning_so_each_turn_is_its_own_row(qwen
     cf = ChatFormat(qwen_tok, template("Qwen-Qwen3-8B"))
     rows = cf.encode(TWO_TURNS)
     assert [r.turns for r in rows] == [[1], [3]]
-    check_rows(cf, TWO_TURNS, rows, {
-        1: "<think>\nA geography question.\n</think>\n\nParis is the capital.<|im_end|>",
-        3: "<think>\nSimple arithmetic.\n</think>\n\n2+2 equals 4.<|im_end|>",
-    })
+    check_rows(
+        cf,
+        TWO_TURNS,
+        rows,
+        {
+            1: "<think>\nA geography question.\n</think>\n\nParis is the capital.<|im_end|>",
+            3: "<think>\nSimple arithmetic.\n</think>\n\n2+2 equals 4.<|im_end|>",
+        },
+    )
     # Serving's history for turn 3 has no reasoning for turn 1, so neither does row 2.
     assert "geography" not in qwen_tok.decode(rows[1].input_ids)
 
@@ -101,33 +123,56 @@ def test_qwen3_thinking_drops_history_reasoning_so_each_turn_is_its_own_row(qwen
 def test_qwen3_thinking_off_supervises_the_answer_after_the_empty_think_block(qwen_tok):
     cf = ChatFormat(qwen_tok, template("Qwen-Qwen3-8B"), {"enable_thinking": False})
     rows = cf.encode(PLAIN_TWO_TURNS)
-    check_rows(cf, PLAIN_TWO_TURNS, rows, {1: "Paris is the capital.<|im_end|>", 3: "2+2 equals 4.<|im_end|>"})
-    assert qwen_tok.decode(rows[0].input_ids).endswith("assistant\n<think>\n\n</think>\n\nParis is the capital.<|im_end|>")
+    check_rows(
+        cf,
+        PLAIN_TWO_TURNS,
+        rows,
+        {1: "Paris is the capital.<|im_end|>", 3: "2+2 equals 4.<|im_end|>"},
+    )
+    assert qwen_tok.decode(rows[0].input_ids).endswith(
+        "assistant\n<think>\n\n</think>\n\nParis is the capital.<|im_end|>"
+    )
 
 
 def test_qwen3_tokenizer_folder_carries_the_qwen3_template(qwen_tok):
     cf = ChatFormat.from_pretrained(QWEN3_TOKENIZER)
     assert cf.chat_template == template("Qwen-Qwen3-8B")
-    assert cf.prompt_ids(TWO_TURNS[:1]) == ChatFormat(qwen_tok, template("Qwen-Qwen3-8B")).prompt_ids(TWO_TURNS[:1])
+    assert cf.prompt_ids(TWO_TURNS[:1]) == ChatFormat(
+        qwen_tok, template("Qwen-Qwen3-8B")
+    ).prompt_ids(TWO_TURNS[:1])
 
 
 def test_qwen25_default_system_prompt_and_one_row_per_conversation(qwen_tok):
     cf = ChatFormat(qwen_tok, template("Qwen-Qwen2.5-7B-Instruct"))
     rows = cf.encode(PLAIN_TWO_TURNS)
     assert [r.turns for r in rows] == [[1, 3]]
-    check_rows(cf, PLAIN_TWO_TURNS, rows, {1: "Paris is the capital.<|im_end|>", 3: "2+2 equals 4.<|im_end|>"})
+    check_rows(
+        cf,
+        PLAIN_TWO_TURNS,
+        rows,
+        {1: "Paris is the capital.<|im_end|>", 3: "2+2 equals 4.<|im_end|>"},
+    )
     text = qwen_tok.decode(rows[0].input_ids)
     assert text.startswith("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud.")
     # The row is the whole conversation's render, minus the template's final newline.
-    full = qwen_tok.apply_chat_template(PLAIN_TWO_TURNS, chat_template=cf.chat_template, tokenize=False)
+    full = qwen_tok.apply_chat_template(
+        PLAIN_TWO_TURNS, chat_template=cf.chat_template, tokenize=False
+    )
     assert text == full.rstrip("\n")
 
 
 def test_llama31_date_is_fixed_and_turns_end_with_eot(llama_tok):
-    cf = ChatFormat(llama_tok, template("meta-llama-Llama-3.1-8B-Instruct"), {"bos_token": "<|begin_of_text|>"})
+    cf = ChatFormat(
+        llama_tok, template("meta-llama-Llama-3.1-8B-Instruct"), {"bos_token": "<|begin_of_text|>"}
+    )
     rows = cf.encode(PLAIN_TWO_TURNS)
     assert [r.turns for r in rows] == [[1, 3]]
-    check_rows(cf, PLAIN_TWO_TURNS, rows, {1: "Paris is the capital.<|eot_id|>", 3: "2+2 equals 4.<|eot_id|>"})
+    check_rows(
+        cf,
+        PLAIN_TWO_TURNS,
+        rows,
+        {1: "Paris is the capital.<|eot_id|>", 3: "2+2 equals 4.<|eot_id|>"},
+    )
     text = llama_tok.decode(rows[0].input_ids)
     assert text.startswith("<|begin_of_text|><|start_header_id|>system")
     assert "Today Date: 26 Jul 2024\n" in text
@@ -135,7 +180,10 @@ def test_llama31_date_is_fixed_and_turns_end_with_eot(llama_tok):
 
 
 def test_strftime_now_renders_a_fixed_date(qwen_tok):
-    tpl = "{{ strftime_now('%Y-%m-%d') }}{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    tpl = (
+        "{{ strftime_now('%Y-%m-%d') }}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
+    )
     cf = ChatFormat(qwen_tok, tpl)
     assert cf.render(PLAIN_TWO_TURNS[:1]).startswith("2024-07-26<user>")
 
@@ -147,13 +195,20 @@ def test_derived_mask_equals_generation_tag_mask(qwen_tok):
     assert cf.has_generation_tags
     rows = cf.encode(TWO_TURNS)
     assert [r.turns for r in rows] == [[1, 3]]
-    check_rows(cf, TWO_TURNS, rows, {
-        1: "<think>\nA geography question.\n</think>\n\nParis is the capital.<|im_end|>",
-        3: "<think>\nSimple arithmetic.\n</think>\n\n2+2 equals 4.<|im_end|>",
-    })
+    check_rows(
+        cf,
+        TWO_TURNS,
+        rows,
+        {
+            1: "<think>\nA geography question.\n</think>\n\nParis is the capital.<|im_end|>",
+            3: "<think>\nSimple arithmetic.\n</think>\n\n2+2 equals 4.<|im_end|>",
+        },
+    )
     ids, gen_mask = cf.generation_mask(TWO_TURNS)
     newline_after_end = [
-        i > 0 and ids[i - 1] == qwen_tok.convert_tokens_to_ids("<|im_end|>") and not qwen_tok.decode([t]).strip()
+        i > 0
+        and ids[i - 1] == qwen_tok.convert_tokens_to_ids("<|im_end|>")
+        and not qwen_tok.decode([t]).strip()
         for i, t in enumerate(ids)
     ]
     expected = [int(m and not nl) for m, nl in zip(gen_mask, newline_after_end, strict=True)]
@@ -164,10 +219,13 @@ def test_derived_mask_equals_generation_tag_mask(qwen_tok):
 
 
 def test_return_assistant_tokens_mask_is_all_zero_without_generation_tags(qwen_tok):
-    """Why draftflow derives masks itself: shipped templates have no tags, and the mask is silently zero."""
+    """Why draftflow derives masks itself: without tags the mask is silently all zero."""
     out = qwen_tok.apply_chat_template(
-        TWO_TURNS, chat_template=template("Qwen-Qwen3-8B"), tokenize=True,
-        return_dict=True, return_assistant_tokens_mask=True,
+        TWO_TURNS,
+        chat_template=template("Qwen-Qwen3-8B"),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
     )
     assert len(out["input_ids"]) > 0
     assert not any(out["assistant_masks"])
@@ -198,6 +256,7 @@ def test_turns_after_a_missing_completion_are_not_encoded(qwen_tok):
     c1 = cf.completion_ids(PLAIN_TWO_TURNS[:1], PLAIN_TWO_TURNS[1])
     assert [r.turns for r in cf.encode(PLAIN_TWO_TURNS, {1: c1})] == [[1]]
     assert cf.encode(PLAIN_TWO_TURNS, {3: c1}) == []
+    assert cf.encode(PLAIN_TWO_TURNS, {1: [], 3: c1}) == []
     with pytest.raises(ConversationError, match="not assistant turns"):
         cf.encode(PLAIN_TWO_TURNS, {2: c1})
 
@@ -237,7 +296,10 @@ def test_template_that_is_not_prefix_stable_needs_target_completions(qwen_tok):
         ([{"role": "system", "content": "Be brief."}], "no user turn"),
         ([{"role": "robot", "content": "x"}], "unknown role"),
         ([{"role": "user", "content": None}], "content must be a string"),
-        ([{"role": "user", "content": [{"type": "text", "text": "x"}]}], "content must be a string"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "content must be a string",
+        ),
         (["hello"], "not a dict"),
     ],
 )
@@ -271,3 +333,42 @@ def test_missing_template_is_reported(qwen_tok):
     tok.chat_template = None
     with pytest.raises(DraftflowError, match="chat_template"):
         ChatFormat(tok)
+
+
+# -- the tiny offline target --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> ChatFormat:
+    from draftflow.config import TinyTargetConfig
+    from draftflow.target import build_tiny_target
+
+    ref = build_tiny_target(TinyTargetConfig(), tmp_path_factory.mktemp("tiny"))
+    return ChatFormat.from_pretrained(ref.path)
+
+
+def test_tiny_target_template_gives_one_row_per_multi_turn_conversation(tiny_chat):
+    conv = [
+        *TWO_TURNS,
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You're welcome.", "reasoning_content": None},
+    ]
+    rows = tiny_chat.encode(conv)
+    assert [r.turns for r in rows] == [[1, 3, 5]]
+    check_rows(
+        tiny_chat,
+        conv,
+        rows,
+        {
+            1: "<think>\nA geography question.\n</think>\n\nParis is the capital.<|im_end|>",
+            3: "<think>\nSimple arithmetic.\n</think>\n\n2+2 equals 4.<|im_end|>",
+            5: "<think>\n\n</think>\n\nYou're welcome.<|im_end|>",
+        },
+    )
+
+
+def test_tiny_target_thinking_off_still_one_row(tiny_chat):
+    rows = tiny_chat.encode(PLAIN_TWO_TURNS, enable_thinking=False)
+    assert [r.turns for r in rows] == [[1, 3]]
+    expected = {1: "Paris is the capital.<|im_end|>", 3: "2+2 equals 4.<|im_end|>"}
+    check_rows(tiny_chat, PLAIN_TWO_TURNS, rows, expected, enable_thinking=False)

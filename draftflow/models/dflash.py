@@ -28,9 +28,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,7 @@ class DFlashConfig:
     @classmethod
     def from_target(
         cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None
-    ) -> "DFlashConfig":
+    ) -> DFlashConfig:
         """Build from the target's HF config and the run's `drafter` section.
 
         Args:
@@ -142,7 +143,7 @@ class DFlashConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DFlashConfig":
+    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
         """Inverse of `to_dict`; unknown keys are an error, not ignored."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
@@ -330,8 +331,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear) and not name.startswith(SHARED_PREFIXES):
+        # Initialise only the drafter's own linears: the shared target modules are untouched.
+        for module in [self.fc, *self.layers.modules()]:
+            if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)  # HF initializer_range
 
     def forward_hidden(self, block_ids, block_pos, ctx_hidden, ctx_pos, attn_mask):
@@ -395,7 +397,7 @@ class DFlashDrafter(nn.Module):
         _atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
 
     @classmethod
-    def load(cls, in_dir: str | Path, target_model: nn.Module) -> "DFlashDrafter":
+    def load(cls, in_dir: str | Path, target_model: nn.Module) -> DFlashDrafter:
         """Rebuild a saved drafter around `target_model`'s embedding and head.
 
         Raises:

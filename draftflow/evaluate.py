@@ -1,0 +1,210 @@
+"""Speculative decoding with a DFlash drafter, acceptance statistics and a lossless check.
+
+Acceptance is measured by actually decoding (DFlash paper, arXiv 2602.06036:
+mean acceptance length tau), not by training accuracy, which is known to
+overstate served acceptance. Each step: the drafter fills the block
+[anchor, mask x (B-1)] in one forward pass from the target's tap features at
+all positions before the anchor; the target verifies the block; the longest
+prefix of drafts equal to the target's greedy tokens is accepted, plus the
+target's own next token (the bonus, which becomes the next anchor).
+
+What it does not know: prompts' origin (token id lists), reports or plots,
+sampling (greedy only, temperature 0).
+
+Key trade-off: the target is re-run over the whole sequence every step (no KV
+cache). That is O(T^2) per step and slow, but every target call is the same
+plain forward pass that `greedy_generate` uses, so the lossless comparison is
+exact and the code is short. A KV-cached verifier is later work.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from draftflow.config import EvaluateConfig
+from draftflow.errors import LosslessError
+from draftflow.layers import hf_hidden_state_index
+from draftflow.models.dflash import DFlashDrafter, block_attention_mask
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def capture_taps(target, ids: list[int], layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One plain target forward: logits and tap features for every position.
+
+    Args:
+        target: HF causal LM.
+        ids: the full token sequence.
+        layer_ids: DFlash layer ids; id L is the output of decoder layer L,
+            i.e. HF `hidden_states[L + 1]` (`draftflow.layers`).
+
+    Returns:
+        logits (T, V) and features (T, n_taps * D), taps concatenated in `layer_ids` order
+        (the same layout as a feature shard's (T, n_taps, D) reshaped).
+    """
+    device = target.get_input_embeddings().weight.device
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    out = target(input_ids=x, output_hidden_states=True, use_cache=False)
+    feats = [out.hidden_states[hf_hidden_state_index(lid)] for lid in layer_ids]
+    return out.logits[0], torch.cat(feats, dim=-1)[0]
+
+
+@torch.no_grad()
+def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch.Tensor:
+    """Drafter logits (B, V) for the block [anchor, mask x (B-1)] placed at position C.
+
+    Args:
+        anchor: the token at position C (the target's latest greedy token).
+        ctx: (C, n_taps * D) tap features of positions 0..C-1 (strictly before the anchor).
+    """
+    cfg, C = drafter.config, ctx.shape[0]
+    device = drafter.fc.weight.device
+    block_ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[0, 0] = anchor
+    block_pos = torch.arange(C, C + cfg.block_size, device=device)[None]
+    ctx_pos = torch.arange(C, device=device)[None]
+    mask = block_attention_mask(torch.tensor([C], device=device), cfg.block_size, C)[None]
+    return drafter(block_ids, block_pos, ctx[None].to(device), ctx_pos, mask)[0]
+
+
+def _accept(drafts: list[int], target_next: list[int]) -> int:
+    """Number of leading drafts equal to the target's greedy tokens at the same positions."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_next[n]:
+        n += 1
+    return n
+
+
+def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[list[int], bool]:
+    """Cut after the first eos and at max_new_tokens; return (tokens, done)."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return tokens[: min(i + 1, max_new_tokens)], True
+    return tokens[:max_new_tokens], len(tokens) >= max_new_tokens
+
+
+def speculative_generate(
+    target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]
+) -> tuple[list[int], list[int]]:
+    """Greedy speculative decoding; output equals `greedy_generate` (lossless).
+
+    Args:
+        target: HF causal LM. drafter: a DFlash drafter for that target.
+        prompt_ids: prompt token ids (non-empty).
+        max_new_tokens: exact cap on generated tokens.
+        eos_ids: generation stops after the first of these (it is kept).
+
+    Returns:
+        (generated tokens, acceptance length per drafting step). A step's length is
+        accepted drafts + 1 (the target's bonus token), counting only tokens kept, so
+        `1 + sum(accept_lengths) == len(tokens)` (the first token comes from prefill).
+    """
+    layer_ids = drafter.config.target_layer_ids
+    logits, feats = capture_taps(target, prompt_ids, layer_ids)
+    seq = list(prompt_ids)  # tokens the target has read; the anchor sits at position len(seq)
+    out, done = _finish([int(logits[-1].argmax())], max_new_tokens, eos_ids)
+    accept: list[int] = []
+    while not done:
+        anchor, n = out[-1], len(seq)
+        drafts = draft_block(drafter, anchor, feats[:n])[1:].argmax(-1).tolist()
+        logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids)
+        target_next = logits[n:].argmax(-1).tolist()  # greedy tokens for positions n+1..n+B
+        k = _accept(drafts, target_next)
+        step_tokens = drafts[:k] + [target_next[k]]
+        seq += [anchor] + drafts[:k]
+        kept, done = _finish(out + step_tokens, max_new_tokens, eos_ids)
+        accept.append(len(kept) - len(out))
+        out = kept
+        # Features of positions <= n+k were computed from accepted tokens only (causal
+        # target), so they are exact context for the next block; later ones are dropped.
+        feats = feats[: len(seq)]
+    return out, accept
+
+
+def greedy_generate(
+    target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]
+) -> list[int]:
+    """Reference greedy decoding by full recompute (the same forward as verification).
+
+    Returns:
+        Generated tokens, up to and including the first eos, at most `max_new_tokens`.
+    """
+    seq, out = list(prompt_ids), []
+    while len(out) < max_new_tokens:
+        logits, _ = capture_taps(target, seq, [0])
+        token = int(logits[-1].argmax())
+        out.append(token)
+        seq.append(token)
+        if token in eos_ids:
+            break
+    return out
+
+
+def evaluate_prompts(
+    target,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    ecfg: EvaluateConfig,
+    eos_ids: set[int],
+) -> dict:
+    """Decode every prompt speculatively, check it against greedy, report acceptance.
+
+    Args:
+        prompts: token id lists; the first `ecfg.num_prompts` are used (all when null).
+        ecfg: the `evaluate` config section (`max_new_tokens`, `num_prompts`).
+        eos_ids: token ids that end generation.
+
+    Returns:
+        tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
+        fraction of steps that accepted at least k drafts), accept_histogram, tokens,
+        steps, prompts, tau_per_prompt (None where a prompt needed no drafting step).
+
+    Raises:
+        LosslessError: speculative output differs from greedy (prompt index and position).
+    """
+    chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
+    lengths: list[int] = []
+    tokens, per_prompt = 0, []
+    drafter.eval()
+    for i, prompt in enumerate(chosen):
+        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids)
+        ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
+        check_lossless(i, spec, ref)
+        lengths += acc
+        tokens += len(spec)
+        per_prompt.append(sum(acc) / len(acc) if acc else None)
+    return acceptance_stats(lengths, drafter.config.block_size) | {
+        "tokens": tokens,
+        "prompts": len(chosen),
+        "tau_per_prompt": per_prompt,
+    }
+
+
+def check_lossless(index: int, spec: list[int], ref: list[int]) -> None:
+    """Raise LosslessError naming the prompt and first differing position."""
+    if spec == ref:
+        return
+    pos = next((j for j, (a, b) in enumerate(zip(spec, ref)) if a != b), min(len(spec), len(ref)))
+    a = spec[pos] if pos < len(spec) else "<end>"
+    b = ref[pos] if pos < len(ref) else "<end>"
+    raise LosslessError(
+        f"prompt {index}: speculative output differs from greedy at generated position {pos} "
+        f"(speculative {a}, greedy {b}); the verifier or acceptance rule is wrong"
+    )
+
+
+def acceptance_stats(lengths: list[int], block_size: int) -> dict:
+    """tau, per-position acceptance rates and a histogram from per-step acceptance lengths."""
+    steps = len(lengths)
+    lt = torch.tensor(lengths, dtype=torch.long)
+    rate = [float((lt - 1 >= k).float().mean()) if steps else 0.0 for k in range(1, block_size)]
+    hist = torch.bincount(lt, minlength=block_size + 1).tolist() if steps else [0] * (block_size + 1)
+    return {
+        "tau": float(lt.float().mean()) if steps else None,
+        "acceptance_rate": rate,
+        "accept_histogram": hist,
+        "steps": steps,
+    }

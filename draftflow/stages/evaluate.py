@@ -1,0 +1,88 @@
+"""Evaluate stage: speculative decoding with target + drafter on the eval prompts.
+
+Acceptance is measured by decoding, not by training accuracy (high training
+accuracy with low served acceptance is a known failure). The decoded tokens
+must equal the target's own greedy output, else the stage fails. Writes
+`report.json` and `report.md` beside the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from draftflow.config import RunConfig
+from draftflow.data.schema import read_rows
+from draftflow.errors import ConfigError
+from draftflow.stages.common import data_shards, finalize
+from draftflow.store import Store, shard_entry
+from draftflow.target import TargetRef, eos_token_ids, load_target
+
+log = logging.getLogger(__name__)
+STAGE = "evaluate"
+
+
+def first_prompt(messages: list[dict]) -> list[dict]:
+    """The conversation up to and including its first user turn (system prompts kept)."""
+    out = []
+    for m in messages:
+        out.append({"role": m["role"], "content": m["content"]})
+        if m["role"] == "user":
+            return out
+    return out
+
+
+def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: bool) -> list[list[int]]:
+    rows = []
+    for shard in data_shards(curated["manifest"], "eval"):
+        rows += read_rows(store.verify_sha("curate", curated["fingerprint"], shard))
+    if not rows:
+        raise ConfigError("no eval prompts: set curate.eval_fraction above 0 so curate keeps an eval split")
+    return [chat.prompt_ids(first_prompt(r["messages"]), enable_thinking=enable_thinking) for r in rows]
+
+
+def load_drafter(store: Store, trained: dict[str, Any], model):
+    from draftflow.models.dflash import DFlashDrafter
+
+    folder = Path(tempfile.mkdtemp(prefix="draftflow-drafter-"))
+    for s in trained["manifest"]["shards"]:
+        local = store.verify_sha("train", trained["fingerprint"], s)
+        (folder / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
+    return DFlashDrafter.load(folder, model)
+
+
+def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
+    lines = [f"# {cfg.name}: drafter evaluation", "",
+             f"- mean acceptance length **τ = {stats['tau']:.3f}** over {stats['steps']} steps, "
+             f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
+             f"- block size {cfg.drafter.block_size}, max new tokens {cfg.evaluate.max_new_tokens}", "",
+             "| k | P(at least k drafts accepted) |", "|---|---|"]
+    lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"], 1)]
+    return "\n".join(lines) + "\n"
+
+
+def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
+        curated: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """Measure τ on the eval prompts; fail if decoding is not lossless."""
+    from draftflow.chat import ChatFormat
+    from draftflow.evaluate import evaluate_prompts
+
+    model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
+    prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
+    drafter = load_drafter(store, trained, model)
+    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer))
+    log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
+    entries = []
+    for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
+        with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
+            Path(tmp).write_text(text)
+            entries.append(shard_entry(name, tmp, rows=0))
+    n = stats["prompts"]
+    results = [{"shard": None, "rejected": None, "rows_in": n, "rows_out": n, "dropped": {}}]
+    results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
+    extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
+             "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
+    return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)

@@ -1,0 +1,1 @@
+"""Prefect flows: the pipeline flow and one flow per stage. Wiring only."""

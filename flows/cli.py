@@ -1,0 +1,95 @@
+"""`draftflow run|plan|server|deploy`: a config path plus dotted overrides, nothing more.
+
+Lives in the flows layer because `run` starts the Prefect pipeline flow. Bad
+input (missing config, unknown key, unreachable source, bad taps) is reported
+as one line before Prefect starts; nothing is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+from draftflow.errors import DraftflowError
+
+
+def _prefect_env() -> None:
+    # A fresh PREFECT_HOME needs longer than the default 20 s to start the ephemeral server.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftflow")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftflow", description="Train speculative-decoding drafters.")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "run (or reuse) every stage"), ("plan", "show what a run would do")):
+        s = sub.add_parser(name, help=text)
+        s.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")
+        s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value by dotted path, e.g. train.lr=1e-3")
+    s = sub.add_parser("server", help="start a local Prefect server with its UI")
+    s.add_argument("--port", type=int, default=4200)
+    s = sub.add_parser("deploy", help="create the deployments in deployments/prefect.yaml")
+    s.add_argument("--all", action="store_true", default=True)
+    return p
+
+
+def cmd_plan(args) -> int:
+    from draftflow.config import load_config
+    from draftflow.plan import plan, preflight
+
+    cfg = load_config(args.config, args.overrides)
+    target = preflight(cfg)
+    print(f"run {cfg.name}  root {cfg.root}  target {target.path} ({target.fingerprint})")
+    for s in plan(cfg, target):
+        print(f"  {s['stage']:<11} {s['state']:<9} {s['fingerprint'] or ''}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from draftflow.config import load_config
+    from draftflow.plan import preflight
+
+    cfg = load_config(args.config, args.overrides)
+    preflight(cfg)
+    _prefect_env()
+    from flows.pipeline import pipeline
+
+    start = time.time()
+    summary = pipeline(cfg)
+    for s in summary["stages"]:
+        dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
+        print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
+              f"dropped {dropped:<28} {s['path']}")
+    print(f"mean acceptance length tau = {summary['tau']:.3f}")
+    print(f"checkpoint: {summary['checkpoint']}")
+    print(f"report: {summary['report']}")
+    print(f"wall time {time.time() - start:.1f} s")
+    return 0
+
+
+def cmd_server(args) -> int:
+    _prefect_env()
+    cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(args.port)]
+    return subprocess.call(cmd)
+
+
+def cmd_deploy(args) -> int:
+    return subprocess.call(["prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handler = {"run": cmd_run, "plan": cmd_plan, "server": cmd_server, "deploy": cmd_deploy}[args.command]
+    try:
+        return handler(args)
+    except DraftflowError as exc:
+        print(f"draftflow: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

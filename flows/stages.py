@@ -1,0 +1,83 @@
+"""One Prefect flow per stage, each a few lines over `run_stage`.
+
+Each flow takes the run config, the target reference and its upstream stage
+results, and returns its own stage result (status, fingerprint, manifest).
+"""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from draftflow.config import RunConfig
+from draftflow.stages.common import data_shards, finalize
+from draftflow.stages.tokenize import merge_freq
+from flows.common import map_shards, run_stage, with_storage
+from tasks import stage_tasks as T
+
+
+def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
+    return {"target": target["fingerprint"], **{k: v["digest"] for k, v in upstream.items()}}
+
+
+@flow(name="curate")
+def curate_flow(cfg: RunConfig) -> dict:
+    def work(store, fp):
+        return with_storage(T.curate_all, store)(cfg=cfg, fp=fp, inputs={})
+    return run_stage(cfg, "curate", {}, work)
+
+
+@flow(name="regenerate")
+def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
+    inputs = _inputs(target, curate=curated)
+
+    def work(store, fp):
+        shards = data_shards(curated["manifest"], "train")
+        results = map_shards(T.regenerate_shard, store, "regenerate", shards, cfg=cfg, fp=fp, target=target,
+                             input_fp=curated["fingerprint"])
+        return finalize(store, "regenerate", fp, cfg, inputs, results)
+    return run_stage(cfg, "regenerate", inputs, work)
+
+
+@flow(name="tokenize")
+def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
+    inputs = _inputs(target, regenerate=regenerated)
+
+    def work(store, fp):
+        results = map_shards(T.tokenize_shard, store, "tokenize", data_shards(regenerated["manifest"]), cfg=cfg, fp=fp,
+                             target=target, input_fp=regenerated["fingerprint"])
+        freq = merge_freq(store, fp, results)
+        results.append({"shard": None, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}})
+        manifest = finalize(store, "tokenize", fp, cfg, inputs, results, extra={"token_freq": freq})
+        return manifest
+    return run_stage(cfg, "tokenize", inputs, work)
+
+
+@flow(name="extract")
+def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
+    inputs = _inputs(target, tokenize=tokenized)
+
+    def work(store, fp):
+        results = map_shards(T.extract_shard, store, "extract", data_shards(tokenized["manifest"], "train"), cfg=cfg,
+                             fp=fp, target=target, input_fp=tokenized["fingerprint"])
+        return finalize(store, "extract", fp, cfg, inputs, results)
+    return run_stage(cfg, "extract", inputs, work)
+
+
+@flow(name="train")
+def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
+    inputs = _inputs(target, extract=features)
+
+    def work(store, fp):
+        return with_storage(T.train_drafter, store)(cfg=cfg, fp=fp, target=target, inputs=inputs,
+                                                     features=features)
+    return run_stage(cfg, "train", inputs, work)
+
+
+@flow(name="evaluate")
+def evaluate_flow(cfg: RunConfig, target: dict, curated: dict, trained: dict) -> dict:
+    inputs = _inputs(target, curate=curated, train=trained)
+
+    def work(store, fp):
+        return with_storage(T.evaluate_drafter, store)(cfg=cfg, fp=fp, target=target, inputs=inputs,
+                                                        curated=curated, trained=trained)
+    return run_stage(cfg, "evaluate", inputs, work)

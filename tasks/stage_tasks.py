@@ -1,0 +1,83 @@
+"""One Prefect task per unit of work: a shard of a stage, or a whole small stage.
+
+Cache keys come from content only (the stage fingerprint and the input
+shard's sha256), so a new flow run of the same command finds finished shards
+as Cached. Retries with exponential backoff cover transient errors; a
+`DraftflowError` (bad input the user must fix) is never retried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from draftflow.config import RunConfig
+from draftflow.errors import DraftflowError
+from draftflow.stages import curate, evaluate, extract, regenerate, tokenize, train
+from draftflow.stages.common import shard_key
+from draftflow.store import Store, digest
+from draftflow.target import TargetRef, resolve_target
+
+
+def _shard_cache_key(context, parameters: dict[str, Any]) -> str:
+    return shard_key(parameters["fp"], parameters["shard"]["sha256"], parameters["shard"]["name"])
+
+
+def _stage_cache_key(context, parameters: dict[str, Any]) -> str:
+    return digest({"stage": parameters["fp"], "task": context.task.name})[:32]
+
+
+def _transient(task, task_run, state) -> bool:
+    """Retry unless the failure is a user error that a retry cannot fix."""
+    try:
+        state.result()
+    except DraftflowError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+RETRY = dict(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_condition_fn=_transient)
+SHARD = dict(cache_key_fn=_shard_cache_key, persist_result=True, **RETRY)
+STAGE = dict(cache_key_fn=_stage_cache_key, persist_result=True, **RETRY)
+
+
+@task(name="prepare-target", cache_policy=NO_CACHE, retries=1)
+def prepare_target(cfg: RunConfig) -> dict[str, str]:
+    ref = resolve_target(cfg.target)
+    return {"path": ref.path, "fingerprint": ref.fingerprint}
+
+
+@task(name="curate", **STAGE)
+def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> dict[str, Any]:
+    return curate.run(Store(cfg.root), fp, cfg, inputs)
+
+
+@task(name="regenerate-shard", tags=["gpu"], **SHARD)
+def regenerate_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
+    return regenerate.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
+
+
+@task(name="tokenize-shard", **SHARD)
+def tokenize_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
+    return tokenize.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
+
+
+@task(name="extract-shard", tags=["gpu"], **SHARD)
+def extract_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
+    return extract.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
+
+
+@task(name="train-drafter", tags=["gpu"], **STAGE)
+def train_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, features: dict) -> dict[str, Any]:
+    return train.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, features)
+
+
+@task(name="evaluate-drafter", tags=["gpu"], **STAGE)
+def evaluate_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, curated: dict,
+                     trained: dict) -> dict[str, Any]:
+    return evaluate.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, curated, trained)

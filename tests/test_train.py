@@ -1,0 +1,248 @@
+"""DFlash training: anchors, labels, masks, the block loss, and the resumable loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import draftflow.train as train_mod
+from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.errors import ConfigError
+from draftflow.evaluate import capture_taps
+from draftflow.features import FeatureSample
+from draftflow.models.dflash import DFlashConfig
+from draftflow.train import (
+    IGNORE,
+    build_training_batch,
+    default_gamma,
+    dflash_loss,
+    latest_checkpoint,
+    make_block_batch,
+    select_anchors,
+    slot_weights,
+    step_indices,
+    train_drafter,
+    warmup_cosine,
+)
+
+MASK_ID = 300
+B = 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread; on a busy 2-core box more threads thrash (60x)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def dcfg(target):
+    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3),
+                                    MASK_ID)
+
+
+@pytest.fixture(scope="module")
+def samples(target, dcfg):
+    """Prompts of random tokens continued by the tiny target's own greedy answers."""
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, MASK_ID, (8, 5), generator=g)
+    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                          max_new_tokens=19, min_new_tokens=19, pad_token_id=0)
+    result = []
+    for i, ids in enumerate(out.tolist()):
+        _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
+        mask = torch.tensor([0] * 5 + [1] * 19, dtype=torch.bool)
+        result.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(24, 3, 64)))
+    return result
+
+
+def toy_sample(T=10):
+    ids = torch.arange(10, 10 + T)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 1, 1, 1][:T], dtype=torch.bool)
+    return FeatureSample("toy", ids, mask, torch.randn(T, 3, 8))
+
+
+# ----------------------------------------------------------------------------- anchors, labels, mask
+
+
+def label_errors(batch, sample, block_size) -> list[str]:
+    """Every way the batch's labels break the DFlash rule (slot k <- token a+k, same position)."""
+    errs = []
+    labels = batch.labels.view(-1, block_size)
+    for j, a in enumerate(batch.anchors.tolist()):
+        for k in range(block_size):
+            want = int(sample.input_ids[a + k]) if k >= 1 and sample.loss_mask[a + k] else IGNORE
+            if int(labels[j, k]) != want:
+                errs.append(f"block {j} slot {k}: {int(labels[j, k])} != {want}")
+    return errs
+
+
+def test_block_inputs_and_labels_exact():
+    s = toy_sample()
+    b = make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID)
+    M = MASK_ID
+    assert b.block_ids.tolist() == [[12, M, M, M, 15, M, M, M]]
+    assert b.block_pos.tolist() == [[2, 3, 4, 5, 5, 6, 7, 8]]
+    # slot 0 never supervised; position 6 has loss_mask 0
+    assert b.labels.tolist() == [[IGNORE, 13, 14, 15, IGNORE, IGNORE, 17, 18]]
+    assert label_errors(b, s, B) == []
+    assert b.ctx_hidden.shape == (1, 10, 24) and b.ctx_pos.tolist() == [list(range(10))]
+    m = b.attn_mask[0]
+    assert m.shape == (8, 18)
+    assert m[:4, :10].tolist() == [[True] * 2 + [False] * 8] * 4  # block 0: p < 2 only
+    assert m[4:, :10].tolist() == [[True] * 5 + [False] * 5] * 4  # block 1: p < 5 only
+    assert m[:4, 10:].tolist() == [[True] * 4 + [False] * 4] * 4
+
+
+def test_labels_shifted_by_one_are_caught():
+    s = toy_sample()
+    b = make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID)
+    shifted = b.labels.clone().view(-1, B)
+    for j, a in enumerate([2, 5]):  # the peer bug: slot k learns token a+k+1
+        shifted[j, 1:] = torch.where(shifted[j, 1:] != IGNORE, s.input_ids[a + 2:a + B + 1], IGNORE)
+    b.labels = shifted.view(1, -1)
+    assert label_errors(b, s, B)
+
+
+def test_select_anchors_eligibility_and_uniformity():
+    mask = toy_sample().loss_mask.clone()
+    mask[0] = True  # a = 0 has no context: never an anchor
+    all_ = select_anchors(mask, B, 10, torch.Generator().manual_seed(0))
+    assert all_.tolist() == [2, 3, 4, 5]  # loss_mask set, a >= 1, a + B <= T
+    counts = torch.zeros(10)
+    for seed in range(200):
+        pick = select_anchors(mask, B, 2, torch.Generator().manual_seed(seed))
+        assert pick.numel() == 2 and torch.equal(pick, pick.sort().values)
+        counts[pick] += 1
+    assert counts[[2, 3, 4, 5]].min() > 60 and counts.sum() == 400  # ~100 each
+    g1, g2 = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    assert torch.equal(select_anchors(mask, B, 2, g1), select_anchors(mask, B, 2, g2))
+
+
+def test_sequence_without_anchor_gives_none():
+    s = toy_sample(T=4)
+    assert build_training_batch(s, B, 8, torch.Generator().manual_seed(0), MASK_ID) is None
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def test_gamma_and_weights():
+    assert [default_gamma(b) for b in (16, 10, 8)] == [7.0, 5.0, 4.0]
+    assert default_gamma(4) == 1.5
+    w = slot_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1
+    torch.testing.assert_close(w[5], torch.tensor(math.exp(-4 / 7)))
+
+
+def test_loss_is_decayed_and_normalised_over_valid_slots():
+    torch.manual_seed(0)
+    logits = torch.randn(1, 8, 11)
+    labels = torch.tensor([[IGNORE, 3, 4, 5, IGNORE, IGNORE, 7, 8]])
+    st = dflash_loss(logits, labels, B, gamma=2.0)
+    ce = torch.nn.functional.cross_entropy(logits[0], labels[0].clamp_min(0), reduction="none")
+    w = torch.tensor([0, 1, math.exp(-0.5), math.exp(-1), 0, 0, math.exp(-0.5), math.exp(-1)])
+    torch.testing.assert_close(st.loss, (ce * w).sum() / w.sum())
+    assert st.weight_sum == pytest.approx(float(w.sum()))
+
+
+def test_accuracy_and_tau_estimate():
+    labels = torch.tensor([[IGNORE, 3, 4, 5, IGNORE, IGNORE, 7, 8]])
+    pred = torch.tensor([0, 3, 4, 9, 0, 0, 7, 8])  # block 0: 2 leading right; block 1: slot 1 unsupervised
+    logits = torch.nn.functional.one_hot(pred, 11).float()[None]
+    st = dflash_loss(logits, labels, B, gamma=2.0)
+    assert st.leading.tolist() == [2, 0]
+    assert st.tau_est == pytest.approx(2.0)
+    assert st.accuracy.tolist() == [1.0, 1.0, 0.5]  # slot 1: 1/1, slot 2: 2/2, slot 3: 1/2
+
+
+# ----------------------------------------------------------------------------- schedule & order
+
+
+def test_warmup_cosine_and_epoch_order():
+    f = warmup_cosine(4, 20)
+    assert [f(0), f(3)] == [0.25, 1.0] and f(12) == pytest.approx(0.5) and f(20) == pytest.approx(0)
+    tcfg = TrainConfig(batch_size=3, seed=5)
+    epoch0 = sum((step_indices(s, 8, tcfg) for s in range(3)), [])
+    epoch1 = sum((step_indices(s, 8, tcfg) for s in range(3, 6)), [])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(8)) and epoch0 != epoch1
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def tcfg(**kw) -> TrainConfig:
+    base = dict(epochs=50, max_steps=12, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=5,
+                device="cpu", seed=0)
+    return TrainConfig(**(base | kw))
+
+
+def weights(out_dir):
+    return load_file(str(out_dir / "model.safetensors"))
+
+
+def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, samples, dcfg):
+    head_before = target.lm_head.weight.clone()
+    m = train_drafter(samples, target, dcfg, tcfg(max_steps=100, checkpoint_every=1000), str(tmp_path))
+    assert m["steps"] == 100 and m["skipped_sequences"] == 0
+    assert m["loss"] < m["first_loss"] - 0.5, m
+    assert m["frozen_params"] == 2 * 320 * 64
+    assert m["trainable_params"] == sum(v.numel() for v in weights(tmp_path).values())
+    assert torch.equal(target.lm_head.weight, head_before)
+    assert len(m["accuracy"]) == B - 1 and m["tau_est"] >= 1.0
+
+
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, dcfg):
+    full = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "a"))
+    again = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "b"))
+    assert all(torch.equal(weights(tmp_path / "a")[k], v) for k, v in weights(tmp_path / "b").items())
+
+    real_step, calls = train_mod._train_step, []
+
+    def preempted(*args, **kw):  # dies during step 8, after the step-5 checkpoint
+        calls.append(1)
+        if len(calls) == 8:
+            raise RuntimeError("preempted")
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    with pytest.raises(RuntimeError, match="preempted"):
+        train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "c"))
+    assert latest_checkpoint(tmp_path / "c").name == "step_00000005"
+    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    resumed = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "c"))
+    a, c = weights(tmp_path / "a"), weights(tmp_path / "c")
+    assert set(a) == set(c) and all(torch.equal(a[k], c[k]) for k in a)
+    assert resumed == full == again
+    ckpts = sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir())
+    assert ckpts == ["step_00000010", "step_00000012"]  # only the newest two are kept
+
+
+def test_seed_changes_weights_and_resume_false_restarts(tmp_path, target, samples, dcfg):
+    train_drafter(samples, target, dcfg, tcfg(max_steps=3), str(tmp_path / "a"))
+    train_drafter(samples, target, dcfg, tcfg(max_steps=3, seed=1), str(tmp_path / "b"))
+    assert not torch.equal(weights(tmp_path / "a")["fc.weight"], weights(tmp_path / "b")["fc.weight"])
+    again = train_drafter(samples, target, dcfg, tcfg(max_steps=3), str(tmp_path / "a"), resume=False)
+    assert again["steps"] == 3
+
+
+def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, samples, dcfg):
+    train_drafter(samples, target, dcfg, tcfg(max_steps=5), str(tmp_path))
+    with pytest.raises(ConfigError, match="different settings"):
+        train_drafter(samples, target, dcfg, tcfg(max_steps=5, lr=1e-3), str(tmp_path))
