@@ -1,0 +1,41 @@
+import pytest
+
+from draftflow.config import RunConfig, load_config
+from draftflow.errors import ConfigError
+
+
+def test_tiny_config_loads_with_defaults_filled(tmp_path):
+    cfg = load_config("configs/tiny.yaml")
+    assert cfg.name == "tiny" and cfg.root == "./runs/tiny"
+    assert cfg.drafter.block_size == 8 and cfg.train.lr == 3e-3
+    assert [s.name for s in cfg.curate.sources] == ["sharegpt", "openai", "alpaca"]
+
+
+def test_override_by_dotted_path_is_typed():
+    cfg = load_config("configs/tiny.yaml", ["train.lr=1e-3", "drafter.target_layer_ids=[1, 3, 5]", "name=x"])
+    assert cfg.train.lr == pytest.approx(1e-3)
+    assert cfg.drafter.target_layer_ids == [1, 3, 5]
+    assert cfg.root == "./runs/x"
+
+
+def test_unknown_key_names_its_dotted_path(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'train\.lrr'"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"unknown config key 'drafter\.taps'"):
+        load_config("configs/tiny.yaml", ["drafter.taps=3"])
+
+
+def test_invalid_value_and_missing_file_are_one_line_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"'train\.lr'") as err:
+        load_config("configs/tiny.yaml", ["train.lr=-1"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config("configs/tiny.yaml", ["train.lr"])
+
+
+def test_default_root_follows_name():
+    assert RunConfig(name="abc").root == "./runs/abc"

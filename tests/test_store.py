@@ -1,0 +1,68 @@
+import json
+import os
+
+import pytest
+
+from draftflow.store import Store, shard_entry, stage_fingerprint
+
+
+def test_writing_commits_atomically_and_cleans_up_on_error(tmp_path):
+    store = Store(str(tmp_path))
+    dest = store.path("stage", "fp", "a.bin")
+    with pytest.raises(RuntimeError):
+        with store.writing(dest) as tmp:
+            open(tmp, "wb").write(b"half")
+            raise RuntimeError("crash mid-write")
+    assert not os.path.exists(dest)
+    assert os.listdir(os.path.dirname(dest)) == []  # no temp file left behind
+    with store.writing(dest) as tmp:
+        open(tmp, "wb").write(b"whole")
+    assert open(dest, "rb").read() == b"whole"
+
+
+def _manifest(entry):
+    return {"stage": "s", "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}}
+
+
+def test_manifest_is_the_completion_marker_and_verifies_shards(tmp_path):
+    store = Store(str(tmp_path))
+    assert store.read_manifest("s", "fp") is None
+    with store.writing(store.stage_path("s", "fp", "x.txt")) as tmp:
+        open(tmp, "w").write("data")
+        entry = shard_entry("x.txt", tmp, rows=1)
+    store.write_manifest("s", "fp", _manifest(entry))
+    assert store.read_manifest("s", "fp")["shards"][0]["sha256"] == entry["sha256"]
+    # A truncated shard makes the stage incomplete again.
+    open(store.stage_path("s", "fp", "x.txt"), "w").write("da")
+    assert store.read_manifest("s", "fp") is None
+
+
+def test_manifest_refuses_to_list_a_missing_shard(tmp_path):
+    from draftflow.errors import StoreError
+
+    store = Store(str(tmp_path))
+    entry = {"name": "gone.parquet", "rows": 1, "tokens": 0, "bytes": 3, "sha256": "0"}
+    with pytest.raises(StoreError, match="missing"):
+        store.write_manifest("s", "fp", _manifest(entry))
+    assert not os.path.exists(store.stage_path("s", "fp", "manifest.json"))
+
+
+def test_checksum_mismatch_is_detected(tmp_path):
+    from draftflow.errors import StoreError
+
+    store = Store(str(tmp_path))
+    with store.writing(store.stage_path("s", "fp", "x.txt")) as tmp:
+        open(tmp, "w").write("abcd")
+        entry = shard_entry("x.txt", tmp, rows=1)
+    open(store.stage_path("s", "fp", "x.txt"), "w").write("abce")  # same size, other bytes
+    with pytest.raises(StoreError, match="checksum"):
+        store.verify_sha("s", "fp", entry)
+
+
+def test_fingerprint_depends_on_config_inputs_and_nothing_else():
+    base = stage_fingerprint("tokenize", {"tokenize": {"max_length": 8}}, {"regenerate": "a"})
+    assert base == stage_fingerprint("tokenize", {"tokenize": {"max_length": 8}}, {"regenerate": "a"})
+    assert base != stage_fingerprint("tokenize", {"tokenize": {"max_length": 9}}, {"regenerate": "a"})
+    assert base != stage_fingerprint("tokenize", {"tokenize": {"max_length": 8}}, {"regenerate": "b"})
+    assert base != stage_fingerprint("extract", {"tokenize": {"max_length": 8}}, {"regenerate": "a"})
+    json.dumps(base)

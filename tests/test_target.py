@@ -1,0 +1,25 @@
+import torch
+
+from draftflow.config import TinyTargetConfig
+from draftflow.target import build_tiny_target, load_target
+
+
+def test_tiny_target_is_deterministic_and_an_ordinary_hf_folder(tmp_path, tiny_target):
+    again = build_tiny_target(TinyTargetConfig(), tmp_path)
+    assert again.fingerprint == tiny_target.fingerprint  # same bytes on a fresh build
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(again.path)
+    tok = AutoTokenizer.from_pretrained(again.path)
+    assert model.config.model_type == "qwen3" and model.config.num_hidden_layers == 8
+    assert model.config.vocab_size > len(tok)  # room for the DFlash mask token id len(tokenizer)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_padding_rows_never_win_greedy(tiny_target):
+    model, tok = load_target(tiny_target.path)
+    ids = torch.tensor([tok.encode("What is the capital of France?")])
+    logits = model(ids).logits[0]
+    assert int(logits.argmax(-1).max()) < len(tok)
