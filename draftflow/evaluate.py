@@ -124,9 +124,7 @@ def speculative_generate(
     return out, accept
 
 
-def greedy_generate(
-    target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]
-) -> list[int]:
+def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]) -> list[int]:
     """Reference greedy decoding by full recompute (the same forward as verification).
 
     Returns:
@@ -154,7 +152,8 @@ def evaluate_prompts(
 
     Args:
         prompts: token id lists; the first `ecfg.num_prompts` are used (all when null).
-        ecfg: the `evaluate` config section (`max_new_tokens`, `num_prompts`).
+        ecfg: the `evaluate` config section (`max_new_tokens`, `num_prompts`; `device` is the
+            caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
 
     Returns:
@@ -187,7 +186,7 @@ def check_lossless(index: int, spec: list[int], ref: list[int]) -> None:
     """Raise LosslessError naming the prompt and first differing position."""
     if spec == ref:
         return
-    pos = next((j for j, (a, b) in enumerate(zip(spec, ref)) if a != b), min(len(spec), len(ref)))
+    pos = next((j for j, (a, b) in enumerate(zip(spec, ref, strict=False)) if a != b), min(len(spec), len(ref)))
     a = spec[pos] if pos < len(spec) else "<end>"
     b = ref[pos] if pos < len(ref) else "<end>"
     raise LosslessError(

@@ -102,7 +102,8 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
     if not (out / ".complete").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=out.parent))
-        _write_tiny_target(cfg, tmp)
+        with _LOAD_LOCK:  # model construction must not overlap a from_pretrained elsewhere
+            _write_tiny_target(cfg, tmp)
         (tmp / ".complete").write_text(folder_fingerprint(tmp))
         if out.exists():  # an incomplete earlier attempt
             shutil.rmtree(out)
@@ -181,17 +182,28 @@ def _write_tiny_target(cfg: TinyTargetConfig, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-@functools.lru_cache(maxsize=2)
+_LOAD_LOCK = threading.Lock()
+
+
 def load_target(path: str, dtype: str = "auto", device: str = "auto"):
     """Load (once per process) the target model in eval mode with its tokenizer.
+
+    Loading is serialized: transformers builds models under a process-wide
+    meta-device context, so a second thread constructing a model at the same
+    time would get meta tensors.
 
     Returns:
         (model, tokenizer)
     """
+    with _LOAD_LOCK:
+        return _load_target(path, dtype, resolve_device(device))
+
+
+@functools.lru_cache(maxsize=2)
+def _load_target(path: str, dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = resolve_device(device)
     torch_dtype = {
         "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
         "float32": torch.float32,

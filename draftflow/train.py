@@ -21,6 +21,7 @@ equals an uninterrupted one bit for bit on the same device.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -90,9 +91,7 @@ def select_anchors(
     return cand.sort().values
 
 
-def make_block_batch(
-    sample: FeatureSample, anchors: torch.Tensor, block_size: int, mask_token_id: int
-) -> BlockBatch:
+def make_block_batch(sample: FeatureSample, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> BlockBatch:
     """Drafter inputs and labels for given anchors (see module docstring for the rule)."""
     T, B = sample.input_ids.numel(), block_size
     ids = sample.input_ids.to(torch.int64)
@@ -235,41 +234,54 @@ def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
 # ----------------------------------------------------------------------------- one step
 
 
-def _train_step(drafter, opt, sched, seqs: list[FeatureSample], step: int, tcfg: TrainConfig,
-                gamma: float, device: torch.device) -> dict[str, Any]:
+@dataclass
+class _Run:
+    """The live objects of one training run."""
+
+    drafter: DFlashDrafter
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    samples: list[FeatureSample]
+    tcfg: TrainConfig
+    gamma: float
+    total: int
+    out_dir: str
+    meta: dict
+    device: torch.device
+
+
+def _train_step(run: _Run, seqs: list[FeatureSample], step: int) -> dict[str, Any]:
     """One optimizer step over `seqs` (gradient accumulation, one sequence per forward)."""
-    cfg = drafter.config
+    cfg, tcfg, B = run.drafter.config, run.tcfg, run.drafter.config.block_size
     batches = [
-        build_training_batch(s, cfg.block_size, tcfg.num_anchors,
-                             anchor_generator(tcfg.seed, step, j), cfg.mask_token_id)
+        build_training_batch(s, B, tcfg.num_anchors, anchor_generator(tcfg.seed, step, j), cfg.mask_token_id)
         for j, s in enumerate(seqs)
     ]
     batches = [b for b in batches if b is not None]
-    weights = slot_weights(cfg.block_size, gamma)
+    weights = slot_weights(B, run.gamma)
     # Normalise by the whole step's valid weight, known before any forward pass.
-    w_total = sum(float((weights * (b.labels.view(-1, cfg.block_size) != IGNORE)).sum()) for b in batches)
-    opt.zero_grad(set_to_none=True)
+    w_total = sum(float((weights * (b.labels.view(-1, B) != IGNORE)).sum()) for b in batches)
+    run.opt.zero_grad(set_to_none=True)
     stats = []
     for b in batches:
-        b = b.to(device)
-        logits = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
-        st = dflash_loss(logits, b.labels, cfg.block_size, gamma)
+        b = b.to(run.device)
+        logits = run.drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
+        st = dflash_loss(logits, b.labels, B, run.gamma)
         if w_total > 0:
             (st.weighted_sum / w_total).backward()
         stats.append(st)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
-    opt.step()  # parameters without gradients (empty step) are left untouched
-    sched.step()
-    return _step_record(stats, w_total, cfg.block_size, skipped=len(seqs) - len(batches))
+    torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], tcfg.grad_clip)
+    run.opt.step()  # parameters without gradients (a step with no labels) are left untouched
+    run.sched.step()
+    return _step_record(stats, w_total, B, skipped=len(seqs) - len(batches))
 
 
 def _step_record(stats: list[LossStats], w_total: float, block_size: int, skipped: int) -> dict:
-    zeros = [0.0] * (block_size - 1)
+    zeros = torch.zeros(block_size - 1, dtype=torch.float64)
     return {
-        "loss": sum(float(s.weighted_sum.detach()) for s in stats) / w_total if w_total > 0 else float("nan"),
-        "correct": sum((s.correct for s in stats), torch.tensor(zeros, dtype=torch.float64)).tolist(),
-        "valid": sum((s.valid for s in stats), torch.tensor(zeros, dtype=torch.float64)).tolist(),
+        "loss": sum(float(s.weighted_sum.detach()) for s in stats) / w_total if w_total > 0 else None,
+        "correct": sum((s.correct for s in stats), zeros).tolist(),
+        "valid": sum((s.valid for s in stats), zeros).tolist(),
         "leading": float(sum(int(s.leading.sum()) for s in stats)),
         "blocks": sum(int(s.leading.numel()) for s in stats),
         "skipped": skipped,
@@ -286,8 +298,7 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched,
-                    state: dict, meta: dict) -> Path:
+def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched, state: dict, meta: dict) -> Path:
     """Write weights + optimizer + scheduler + loop state to a temp folder, then rename."""
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
@@ -297,8 +308,15 @@ def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched,
     tmp.mkdir()
     weights = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "torch_rng": torch.get_rng_state(), "loop": state}, tmp / "state.pt")
+    torch.save(
+        {
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "loop": state,
+        },
+        tmp / "state.pt",
+    )
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # the folder appears complete or not at all
@@ -307,8 +325,7 @@ def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched,
     return final
 
 
-def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict,
-                    device: torch.device) -> dict:
+def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict, device: torch.device) -> dict:
     """Restore a checkpoint into live objects; return the loop state.
 
     Raises:
@@ -332,7 +349,8 @@ def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict,
 def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:
     """What a checkpoint must agree with to be resumed (device and cadence may change)."""
     train = tcfg.model_dump(mode="json", exclude={"device", "checkpoint_every"})
-    return {"drafter": dcfg.to_dict(), "train": train, "samples": [s.sample_id for s in samples]}
+    ids = hashlib.sha256("\n".join(s.sample_id for s in samples).encode()).hexdigest()
+    return {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -345,8 +363,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def train_drafter(samples: list[FeatureSample], target_model, dcfg: DFlashConfig,
-                  tcfg: TrainConfig, out_dir: str, resume: bool = True) -> dict:
+def train_drafter(
+    samples: list[FeatureSample], target_model, dcfg: DFlashConfig, tcfg: TrainConfig, out_dir: str, resume: bool = True
+) -> dict:
     """Train a DFlash drafter on feature samples; checkpoint and resume in `out_dir`.
 
     Args:
@@ -368,56 +387,58 @@ def train_drafter(samples: list[FeatureSample], target_model, dcfg: DFlashConfig
     device = resolve_device(tcfg.device)
     torch.manual_seed(tcfg.seed)  # drafter init
     drafter = DFlashDrafter(dcfg, target_model).to(device)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad],
-                            lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     total = total_steps(len(samples), tcfg)
-    lam = warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lam)
-    meta = _run_meta(samples, dcfg, tcfg)
-    state: dict[str, Any] = {"step": 0, "history": [], "window": []}
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
+    gamma = tcfg.gamma or default_gamma(dcfg.block_size)
+    run = _Run(drafter, opt, sched, samples, tcfg, gamma, total, out_dir, _run_meta(samples, dcfg, tcfg), device)
+    state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
-        state = load_checkpoint(ckpt, drafter, opt, sched, meta, device)
+        state = load_checkpoint(ckpt, drafter, opt, sched, run.meta, device)
         logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
-    _run_steps(drafter, opt, sched, samples, tcfg, state, total, out_dir, meta, device)
+    _run_steps(run, state)
     drafter.save(out_dir)
     metrics = _metrics(state, drafter)
     (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
 
-def _run_steps(drafter, opt, sched, samples, tcfg, state, total, out_dir, meta, device) -> None:
-    gamma = tcfg.gamma or default_gamma(drafter.config.block_size)
-    log_every = max(1, total // 20)
-    drafter.train()
-    while state["step"] < total:
-        idx = step_indices(state["step"], len(samples), tcfg)
-        rec = _train_step(drafter, opt, sched, [samples[i] for i in idx], state["step"],
-                          tcfg, gamma, device)
+def _run_steps(run: _Run, state: dict) -> None:
+    log_every = max(1, run.total // 20)
+    run.drafter.train()
+    while state["step"] < run.total:
+        idx = step_indices(state["step"], len(run.samples), run.tcfg)
+        rec = _train_step(run, [run.samples[i] for i in idx], state["step"])
         state["step"] += 1
         state["history"].append(rec["loss"])
         state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
-        if state["step"] % log_every == 0 or state["step"] == total:
-            logger.info("step %d/%d loss %.4f lr %.2e", state["step"], total, rec["loss"],
-                        sched.get_last_lr()[0])
-        if state["step"] % tcfg.checkpoint_every == 0 or state["step"] == total:
-            save_checkpoint(out_dir, drafter, opt, sched, state, meta)
+        state["skipped"] += rec["skipped"]
+        if state["step"] % log_every == 0 or state["step"] == run.total:
+            lr = run.sched.get_last_lr()[0]
+            logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
+        if state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total:
+            save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta)
+
+
+def _fmt(loss: float | None) -> str:
+    return "n/a" if loss is None else f"{loss:.4f}"
 
 
 def _metrics(state: dict, drafter: DFlashDrafter) -> dict:
     window = state["window"]
     correct = torch.tensor([r["correct"] for r in window]).sum(0)
     valid = torch.tensor([r["valid"] for r in window]).sum(0)
-    blocks = sum(r["blocks"] for r in window)
-    losses = [r["loss"] for r in window if not math.isnan(r["loss"])]
+    losses = [r["loss"] for r in window if r["loss"] is not None]
     trainable, frozen = drafter.param_counts()
     return {
-        "loss": sum(losses) / len(losses) if losses else float("nan"),
-        "first_loss": state["history"][0] if state["history"] else float("nan"),
+        "loss": sum(losses) / len(losses) if losses else None,
+        "first_loss": next((x for x in state["history"] if x is not None), None),
         "accuracy": (correct / valid.clamp_min(1)).tolist(),
-        "tau_est": 1.0 + sum(r["leading"] for r in window) / max(1, blocks),
+        "tau_est": 1.0 + sum(r["leading"] for r in window) / max(1, sum(r["blocks"] for r in window)),
         "steps": state["step"],
         "trainable_params": trainable,
         "frozen_params": frozen,
-        "skipped_sequences": sum(r["skipped"] for r in window),
+        "skipped_sequences": state["skipped"],
     }

@@ -40,16 +40,22 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def dcfg(target):
-    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=2, block_size=4, num_taps=3),
-                                    MASK_ID)
+    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=2, block_size=4, num_taps=3), MASK_ID)
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +76,15 @@ def test_config_from_target(target, dcfg):
     assert DFlashConfig.from_target(target.config, explicit, MASK_ID).mask_token_id == 7
 
 
-@pytest.mark.parametrize("bad", [
-    dict(drafter=DrafterConfig(num_taps=3), mask=320),  # no embedding row
-    dict(drafter=DrafterConfig(num_taps=3), mask=None),  # no mask id at all
-    dict(drafter=DrafterConfig(num_taps=3, target_layer_ids=[1, 2]), mask=MASK_ID),
-    dict(drafter=DrafterConfig(num_taps=2, target_layer_ids=[1, 6]), mask=MASK_ID),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(drafter=DrafterConfig(num_taps=3), mask=320),  # no embedding row
+        dict(drafter=DrafterConfig(num_taps=3), mask=None),  # no mask id at all
+        dict(drafter=DrafterConfig(num_taps=3, target_layer_ids=[1, 2]), mask=MASK_ID),
+        dict(drafter=DrafterConfig(num_taps=2, target_layer_ids=[1, 6]), mask=MASK_ID),
+    ],
+)
 def test_config_errors_name_the_setting(target, bad):
     with pytest.raises(ConfigError, match="drafter"):
         DFlashConfig.from_target(target.config, bad["drafter"], bad["mask"])
@@ -131,7 +140,7 @@ def test_mask_exact_entries():
     got = block_attention_mask(torch.tensor(anchors), B, C)
     assert torch.equal(got, reference_mask(anchors, B, C))
     assert got[0, :3].all() and not got[0, 3:C].any()  # block 0 sees positions 0, 1, 2 only
-    assert got[0, C:C + 4].all() and not got[0, C + 4:].any()
+    assert got[0, C : C + 4].all() and not got[0, C + 4 :].any()
     for bad in BUGGY_MASKS:
         assert not torch.equal(bad(torch.tensor(anchors), B, C), reference_mask(anchors, B, C))
 
@@ -184,17 +193,20 @@ def test_model_sees_only_what_the_rule_allows(drafter):
     before_anchor = ctx.clone()
     before_anchor[4] += 5.0  # position a-1 must matter
     tokens = list(range(14))
-    assert not torch.allclose(run_blocks(drafter, [5], tokens, ctx)[0],
-                              run_blocks(drafter, [5], tokens, before_anchor)[0])
-    assert probe(drafter, block_attention_mask) == {"anchor": False, "cross": False,
-                                                    "bidirectional": True}
+    assert not torch.allclose(
+        run_blocks(drafter, [5], tokens, ctx)[0], run_blocks(drafter, [5], tokens, before_anchor)[0]
+    )
+    assert probe(drafter, block_attention_mask) == {"anchor": False, "cross": False, "bidirectional": True}
 
 
-@pytest.mark.parametrize("bug, flag, value", [
-    (mask_with_inclusive_anchor, "anchor", True),
-    (mask_causal_in_block, "bidirectional", False),
-    (mask_blocks_see_each_other, "cross", True),
-])
+@pytest.mark.parametrize(
+    "bug, flag, value",
+    [
+        (mask_with_inclusive_anchor, "anchor", True),
+        (mask_causal_in_block, "bidirectional", False),
+        (mask_blocks_see_each_other, "cross", True),
+    ],
+)
 def test_probe_catches_each_known_mask_bug(drafter, bug, flag, value):
     assert probe(drafter, bug)[flag] is value
 
@@ -249,8 +261,13 @@ def test_embedding_and_head_are_shared_frozen_and_not_counted(target, drafter):
     drafter.zero_grad()
     with torch.enable_grad():
         ids = torch.full((1, 4), MASK_ID)
-        out = drafter(ids, torch.arange(3, 7)[None], torch.randn(1, 8, 192), torch.arange(8)[None],
-                      block_attention_mask(torch.tensor([3]), 4, 8)[None])
+        out = drafter(
+            ids,
+            torch.arange(3, 7)[None],
+            torch.randn(1, 8, 192),
+            torch.arange(8)[None],
+            block_attention_mask(torch.tensor([3]), 4, 8)[None],
+        )
         out.sum().backward()
     assert drafter.lm_head.weight.grad is None and drafter.embed_tokens.weight.grad is None
     assert drafter.fc.weight.grad is not None
@@ -272,8 +289,12 @@ def test_save_load_roundtrip(tmp_path, target, drafter):
     assert "layers.0.self_attn.q_proj.weight" in weights and "fc.weight" in weights  # HF-style names
     loaded = DFlashDrafter.load(tmp_path, target).eval()
     ctx = torch.randn(10, 192)
-    torch.testing.assert_close(run_blocks(loaded, [4], list(range(10)), ctx)[0],
-                               run_blocks(drafter, [4], list(range(10)), ctx)[0], rtol=0, atol=0)
+    torch.testing.assert_close(
+        run_blocks(loaded, [4], list(range(10)), ctx)[0],
+        run_blocks(drafter, [4], list(range(10)), ctx)[0],
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_load_refuses_mismatched_weights(tmp_path, target, drafter):

@@ -37,16 +37,22 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def dcfg(target):
-    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3),
-                                    MASK_ID)
+    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +76,9 @@ def trained(tmp_path_factory, target, dcfg, prompts):
         _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
         mask = torch.tensor([0] * len(p) + [1] * 19, dtype=torch.bool)
         samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), 3, 64)))
-    tcfg = TrainConfig(epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8,
-                       checkpoint_every=1000, device="cpu")
+    tcfg = TrainConfig(
+        epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu"
+    )
     out = tmp_path_factory.mktemp("drafter")
     train_drafter(samples, target, dcfg, tcfg, str(out))
     return DFlashDrafter.load(out, target).eval(), samples
@@ -83,8 +90,10 @@ def trained(tmp_path_factory, target, dcfg, prompts):
 def decoder_layer_outputs(target, ids) -> list[torch.Tensor]:
     """Ground truth: the output of every decoder layer, read by forward hooks."""
     outs = []
-    hooks = [layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
-             for layer in target.model.layers]
+    hooks = [
+        layer.register_forward_hook(lambda m, i, o: outs.append(o[0] if isinstance(o, tuple) else o))
+        for layer in target.model.layers
+    ]
     try:
         with torch.no_grad():
             target(input_ids=torch.tensor([ids]), use_cache=False)
@@ -116,7 +125,7 @@ def test_training_blocks_equal_inference_blocks(target, untrained, trained):
         train_logits = untrained(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)[0]
     for j, a in enumerate(anchors.tolist()):
         infer = draft_block(untrained, int(sample.input_ids[a]), feats[:a])
-        torch.testing.assert_close(train_logits[j * B:(j + 1) * B], infer, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(train_logits[j * B : (j + 1) * B], infer, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- acceptance rule
@@ -127,7 +136,7 @@ def scripted_drafter(monkeypatch, continuation, wrong=False):
 
     def fake(drafter, anchor, ctx):
         n = ctx.shape[0]  # the anchor's position
-        nxt = torch.tensor(continuation[n:n + B])
+        nxt = torch.tensor(continuation[n : n + B])
         if wrong:
             nxt = (nxt + 1) % 320
         return torch.nn.functional.one_hot(nxt, 320).float()
@@ -165,8 +174,14 @@ def test_eos_and_length_limits(target, untrained, prompts):
 
 def test_greedy_reference_matches_transformers_generate(target, prompts):
     p = prompts[3]
-    hf = target.generate(torch.tensor([p]), attention_mask=torch.ones(1, 5, dtype=torch.long),
-                         do_sample=False, max_new_tokens=10, min_new_tokens=10, pad_token_id=0)
+    hf = target.generate(
+        torch.tensor([p]),
+        attention_mask=torch.ones(1, 5, dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=10,
+        min_new_tokens=10,
+        pad_token_id=0,
+    )
     assert greedy_generate(target, p, 10, set()) == hf[0, 5:].tolist()
 
 

@@ -45,16 +45,22 @@ def one_thread():
 @pytest.fixture(scope="module")
 def target():
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=False)
+    cfg = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
     return Qwen3ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")
 def dcfg(target):
-    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3),
-                                    MASK_ID)
+    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +68,14 @@ def samples(target, dcfg):
     """Prompts of random tokens continued by the tiny target's own greedy answers."""
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, MASK_ID, (8, 5), generator=g)
-    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                          max_new_tokens=19, min_new_tokens=19, pad_token_id=0)
+    out = target.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        do_sample=False,
+        max_new_tokens=19,
+        min_new_tokens=19,
+        pad_token_id=0,
+    )
     result = []
     for i, ids in enumerate(out.tolist()):
         _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
@@ -115,7 +127,7 @@ def test_labels_shifted_by_one_are_caught():
     b = make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID)
     shifted = b.labels.clone().view(-1, B)
     for j, a in enumerate([2, 5]):  # the peer bug: slot k learns token a+k+1
-        shifted[j, 1:] = torch.where(shifted[j, 1:] != IGNORE, s.input_ids[a + 2:a + B + 1], IGNORE)
+        shifted[j, 1:] = torch.where(shifted[j, 1:] != IGNORE, s.input_ids[a + 2 : a + B + 1], IGNORE)
     b.labels = shifted.view(1, -1)
     assert label_errors(b, s, B)
 
@@ -188,8 +200,7 @@ def test_warmup_cosine_and_epoch_order():
 
 
 def tcfg(**kw) -> TrainConfig:
-    base = dict(epochs=50, max_steps=12, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=5,
-                device="cpu", seed=0)
+    base = dict(epochs=50, max_steps=12, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=5, device="cpu", seed=0)
     return TrainConfig(**(base | kw))
 
 

@@ -78,9 +78,7 @@ class DFlashConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_target(
-        cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None
-    ) -> DFlashConfig:
+    def from_target(cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None) -> DFlashConfig:
         """Build from the target's HF config and the run's `drafter` section.
 
         Args:
@@ -92,6 +90,8 @@ class DFlashConfig:
             ConfigError: no mask id, a mask id outside the target's embedding, or bad taps.
         """
         n_layers = int(target_config.num_hidden_layers)
+        if getattr(target_config, "rope_scaling", None):
+            logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", target_config.rope_scaling)
         ids = drafter.target_layer_ids or default_dflash_layer_ids(n_layers, drafter.num_taps)
         validate_layer_ids(ids, n_layers)
         if len(ids) != drafter.num_taps:
@@ -135,8 +135,7 @@ class DFlashConfig:
             raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
         if self.attn_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"attention backend {self.attn_backend!r} unknown; choose from "
-                f"{sorted(ATTENTION_BACKENDS)}"
+                f"attention backend {self.attn_backend!r} unknown; choose from {sorted(ATTENTION_BACKENDS)}"
             )
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,9 +215,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def sdpa_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """PyTorch SDPA with an explicit boolean mask; GQA by kv-head broadcasting."""
     # Every query sees at least its own block, so no mask row is all False (no NaN rows).
     return F.scaled_dot_product_attention(
@@ -312,6 +309,7 @@ class DFlashDrafter(nn.Module):
         cfg: the drafter's shape.
         target_model: the HF causal LM; its input embedding and output head are
             borrowed (same modules, not copies) and set to requires_grad=False.
+            So `drafter.to(device)` moves them too; cast the drafter with care.
 
     Raises:
         ConfigError: the mask id has no embedding row, or the widths disagree.
@@ -377,9 +375,7 @@ class DFlashDrafter(nn.Module):
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Every drafter weight except the shared embedding and LM head."""
-        return {
-            k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)
-        }
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
 
     def param_counts(self) -> tuple[int, int]:
         """(trainable, frozen) parameter counts; frozen = the shared target modules."""

@@ -1,0 +1,49 @@
+"""Bad input gives one clear line and exit code 2, before anything is written."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def _one_line_error(proc, pattern):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert pattern in lines[0], lines[0]
+
+
+def test_missing_config_file(tmp_path):
+    _one_line_error(_cli("run", str(tmp_path / "none.yaml")), "config file not found")
+
+
+def test_unknown_config_key(tmp_path):
+    proc = _cli("run", "configs/tiny.yaml", "--set", f"root={tmp_path}/r", "--set", "train.learning_rate=1")
+    _one_line_error(proc, "unknown config key 'train.learning_rate'")
+    assert not (tmp_path / "r").exists()
+
+
+def test_source_path_that_does_not_exist(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"name: x\nroot: {tmp_path}/r\ncurate:\n  sources:\n    - {{name: s, path: {tmp_path}/no.jsonl}}\n")
+    _one_line_error(_cli("run", str(cfg)), f"source 's': path {tmp_path}/no.jsonl does not exist")
+    assert not (tmp_path / "r").exists()
+
+
+def test_layer_id_out_of_range_is_a_config_error(tmp_path):
+    proc = _cli("plan", "configs/tiny.yaml", "--set", f"root={tmp_path}/r", "--set", "drafter.target_layer_ids=[1,3,8]")
+    _one_line_error(proc, "drafter.target_layer_ids contains 8")
+
+
+def test_plan_lists_every_stage(tmp_path):
+    proc = _cli("plan", "configs/tiny.yaml", "--set", f"root={tmp_path}/r")
+    assert proc.returncode == 0, proc.stderr
+    states = [line.split()[:2] for line in proc.stdout.splitlines()[1:]]
+    assert states[0] == ["curate", "to"] and [s[0] for s in states] == [
+        "curate", "regenerate", "tokenize", "extract", "train", "evaluate"]

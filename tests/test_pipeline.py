@@ -1,0 +1,112 @@
+"""The whole tiny pipeline through Prefect: end to end, reuse, crash and resume.
+
+These run real flows against one session-scoped Prefect test server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from draftflow.store import sha256_file
+from tests.conftest import tiny_config
+
+STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+
+
+def _files(root: Path, stages: list[str]) -> dict[str, float]:
+    """mtime of every committed file of the given stages (work folders excluded)."""
+    return {str(p): p.stat().st_mtime_ns for s in stages for p in (root / s).rglob("*")
+            if p.is_file() and "/work/" not in str(p)}
+
+
+def _checkpoint_sha(summary: dict) -> str:
+    return sha256_file(Path(summary["checkpoint"]) / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(prefect_harness, tmp_path_factory):
+    from flows.pipeline import pipeline
+
+    root = tmp_path_factory.mktemp("uninterrupted") / "run"
+    return root, pipeline(tiny_config(root))
+
+
+def test_end_to_end_runs_every_stage_and_accounts_for_every_row(uninterrupted):
+    root, summary = uninterrupted
+    assert [s["stage"] for s in summary["stages"]] == STAGES
+    assert all(s["status"] == "ran" for s in summary["stages"])
+    for s in summary["stages"]:
+        assert (Path(s["path"]) / "manifest.json").is_file()
+        assert s["rows_in"] == s["rows_out"] + sum(s["dropped"].values())
+    assert summary["stages"][0]["dropped"] == {"duplicate": 1, "malformed_json": 1, "no_user_turn": 1}
+    assert summary["tau"] >= 1.0  # evaluate also proved the decoding lossless, or it would have failed
+    assert (Path(summary["checkpoint"]) / "model.safetensors").is_file()
+    info = (root / "run.json").read_text()
+    assert '"packages"' in info and '"git_revision"' in info and '"config"' in info
+
+
+def test_second_run_reuses_every_stage_and_touches_nothing(uninterrupted):
+    from flows.pipeline import pipeline
+
+    root, first = uninterrupted
+    before = _files(root, STAGES)
+    again = pipeline(tiny_config(root))
+    assert [s["status"] for s in again["stages"]] == ["reused"] * 6
+    assert again["tau"] == first["tau"] and again["checkpoint"] == first["checkpoint"]
+    assert _files(root, STAGES) == before
+
+
+def test_crash_in_train_then_rerun_reuses_earlier_stages_and_equals_uninterrupted(
+        uninterrupted, tmp_path, monkeypatch):
+    import draftflow.train as train_lib
+    from flows.pipeline import pipeline
+
+    real_save = train_lib.save_checkpoint
+
+    def save_then_crash(*args, **kwargs):
+        real_save(*args, **kwargs)
+        raise RuntimeError("injected crash after a checkpoint")
+
+    monkeypatch.setattr(train_lib, "save_checkpoint", save_then_crash)
+    root = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="injected crash"):
+        pipeline(tiny_config(root))
+    train_dirs = list((root / "train").iterdir())
+    assert not any((d / "manifest.json").exists() for d in train_dirs)  # nothing looks complete
+    before = _files(root, STAGES[:4])
+    monkeypatch.setattr(train_lib, "save_checkpoint", real_save)
+    resumed = pipeline(tiny_config(root))
+    assert [s["status"] for s in resumed["stages"]] == ["reused"] * 4 + ["ran", "ran"]
+    assert _files(root, STAGES[:4]) == before  # earlier stages were not recomputed
+    _, reference = uninterrupted
+    assert _checkpoint_sha(resumed) == _checkpoint_sha(reference)
+    assert resumed["tau"] == reference["tau"]
+
+
+def test_failed_shard_is_the_only_one_recomputed(prefect_harness, tmp_path, monkeypatch):
+    import draftflow.stages.extract as extract_lib
+    from flows.pipeline import pipeline
+
+    real = extract_lib.run_shard
+    calls: list[str] = []
+
+    def failing(store, fp, cfg, target, tok_fp, shard):
+        calls.append(shard["name"])
+        if shard["name"] == "train-00002.parquet":
+            raise RuntimeError("injected extract failure")
+        return real(store, fp, cfg, target, tok_fp, shard)
+
+    monkeypatch.setattr(extract_lib, "run_shard", failing)
+    cfg = tiny_config(tmp_path / "run")
+    with pytest.raises(RuntimeError, match="injected extract failure"):
+        pipeline(cfg)
+    assert {"train-00000.parquet", "train-00001.parquet"} <= set(calls)
+    calls.clear()
+    monkeypatch.setattr(extract_lib, "run_shard", lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    summary = pipeline(cfg)
+    assert calls == ["train-00002.parquet"]  # the finished shards came from the Prefect cache
+    assert [s["status"] for s in summary["stages"]][:4] == ["reused", "reused", "reused", "ran"]
+    assert os.path.exists(Path(summary["stages"][3]["path"]) / "train-00002.safetensors")
