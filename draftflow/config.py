@@ -124,7 +124,7 @@ class RunConfig(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
 
     @model_validator(mode="after")
-    def _default_root(self) -> "RunConfig":
+    def _default_root(self) -> RunConfig:
         if self.root is None:
             self.root = f"./runs/{self.name}"
         return self

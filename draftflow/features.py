@@ -16,9 +16,9 @@ get one sample. This module knows nothing of models or engines.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open

@@ -217,7 +217,7 @@ def _load_target(path: str, dtype: str, device: str):
     return model, tokenizer
 
 
-_LOCKS: "weakref.WeakKeyDictionary[object, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS: weakref.WeakKeyDictionary[object, threading.Lock] = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
 
 

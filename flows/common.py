@@ -9,8 +9,9 @@ the library and publishes a count table.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from prefect import get_run_logger, unmapped
 from prefect.artifacts import create_table_artifact

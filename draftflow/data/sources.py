@@ -9,7 +9,8 @@ cannot convert, and the caller counts and keeps them as rejects.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import fsspec
 

@@ -24,7 +24,7 @@ class HFEngine:
         self.suppress = list(range(len(tokenizer), vocab))
 
     @classmethod
-    def load(cls, path: str, dtype: str = "auto", device: str = "auto") -> "HFEngine":
+    def load(cls, path: str, dtype: str = "auto", device: str = "auto") -> HFEngine:
         model, tokenizer = load_target(path, dtype, device)
         return cls(model, tokenizer, path)
 

@@ -93,7 +93,8 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
     }
     check_accounting(manifest, stage)
     store.write_manifest(stage, fp, manifest)
-    log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"], manifest["dropped"])
+    log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"],
+             manifest["dropped"])
     return manifest
 
 
