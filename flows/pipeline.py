@@ -52,6 +52,6 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
     create_table_artifact(table=rows, key=artifact_key(cfg.name, "pipeline"), description="stages of this run")
     create_markdown_artifact(
         key=artifact_key(cfg.name, "result"),
-        markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {summary['tau']:.3f}**\n\n"
+        markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {summary['tau']}**\n\n"
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n",
     )

@@ -21,6 +21,12 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+# Tiny models on 2 cores: one intra-op thread each avoids oversubscription (60x slower
+# when tasks on a thread pool, or another process, compete for the cores).
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
 TINY_OVERRIDES = [
     "regenerate.max_new_tokens=24",
     "train.max_steps=24",

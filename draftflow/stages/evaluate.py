@@ -55,12 +55,13 @@ def load_drafter(store: Store, trained: dict[str, Any], model):
 
 
 def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
+    tau = "n/a" if stats["tau"] is None else f"{stats['tau']:.3f}"
     lines = [f"# {cfg.name}: drafter evaluation", "",
-             f"- mean acceptance length **τ = {stats['tau']:.3f}** over {stats['steps']} steps, "
+             f"- mean acceptance length **τ = {tau}** over {stats['steps']} steps, "
              f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
              f"- block size {cfg.drafter.block_size}, max new tokens {cfg.evaluate.max_new_tokens}", "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
-    lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"], 1)]
+    lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
     return "\n".join(lines) + "\n"
 
 
