@@ -33,6 +33,7 @@ TINY_OVERRIDES = [
     "train.checkpoint_every=8",
     "evaluate.max_new_tokens=16",
     "evaluate.num_prompts=2",
+    "drafter.num_layers=1",
 ]
 
 
@@ -45,9 +46,12 @@ def tiny_target():
 
 
 def tiny_config(root: Path, *extra: str):
+    """configs/tiny.yaml, trimmed for tests: the three small sources (48 conversations)."""
     from draftflow.config import load_config
 
-    return load_config(ROOT / "configs" / "tiny.yaml", [f"root={root}", *TINY_OVERRIDES, *extra])
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [f"root={root}", "curate.shard_rows=16", *TINY_OVERRIDES, *extra])
+    cfg.curate.sources = [s for s in cfg.curate.sources if s.name != "prompts"]
+    return cfg
 
 
 @pytest.fixture
