@@ -55,3 +55,14 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
         markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {summary['tau']}**\n\n"
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n",
     )
+
+
+@flow(name="draftflow-pipeline-from-file")
+def pipeline_from_file(config_path: str, overrides: list[str] | None = None) -> dict:
+    """Deployment entry point: load the config on the worker, then run the pipeline."""
+    from draftflow.config import load_config
+    from draftflow.plan import preflight
+
+    cfg = load_config(config_path, overrides or [])
+    preflight(cfg)
+    return pipeline(cfg)
