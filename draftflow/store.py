@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from draftflow import __version__
 from draftflow.errors import StoreError
@@ -74,7 +75,7 @@ class Store:
     def __init__(self, root: str):
         self.root = root
         self.fs, base = fsspec.core.url_to_fs(root)
-        self.is_local = self.fs.protocol in ("file", ("file", "local")) or "file" in self.fs.protocol
+        self.is_local = isinstance(self.fs, LocalFileSystem)
         self.base = os.path.abspath(base) if self.is_local else base.rstrip("/")
 
     # -- paths ---------------------------------------------------------------

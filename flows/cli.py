@@ -20,6 +20,8 @@ def _prefect_env() -> None:
     # A fresh PREFECT_HOME needs longer than the default 20 s to start the ephemeral server.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftflow")
+    # No telemetry from an offline machine (its failures only add error lines to the log).
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 def _cpu_threads() -> None:
