@@ -1,4 +1,7 @@
 PY ?= python3.11
+# Where the CPU build of torch comes from. Empty: pip's configured index (this project's
+# machines serve the CPU wheel locally). Elsewhere: make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -9,7 +12,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints-cpu.txt torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3]" moto[server]
 	touch $(STAMP)
 

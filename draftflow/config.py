@@ -129,19 +129,28 @@ class RunConfig(Section):
             self.root = f"./runs/{self.name}"
         return self
 
-    def section(self, name: str) -> dict[str, Any]:
-        return getattr(self, name).model_dump(mode="json")
+    def section(self, name: str) -> Any:
+        """A section (or one field, by dotted path) as JSON data, minus NOT_FINGERPRINTED fields."""
+        head, _, field = name.partition(".")
+        data = getattr(self, head).model_dump(mode="json")
+        if field:
+            return data[field]
+        return {k: v for k, v in data.items() if f"{head}.{k}" not in NOT_FINGERPRINTED}
 
 
-# Which config sections each stage's fingerprint hashes (contract 1).
+# What each stage's fingerprint hashes (contract 1): whole sections, or one field
+# by dotted path. Extract depends on the taps only, not on the drafter's depth.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "curate": ("curate",),
     "regenerate": ("target", "regenerate"),
     "tokenize": ("target", "tokenize"),
-    "extract": ("target", "extract", "drafter"),
+    "extract": ("target", "extract", "drafter.target_layer_ids", "drafter.num_taps"),
     "train": ("target", "drafter", "train"),
-    "evaluate": ("target", "drafter", "evaluate"),
+    "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking"),
 }
+# Fields that choose where or how often work happens, never its result: changing them
+# after a crash must not move the stage to a new folder (and lose its checkpoints).
+NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:
@@ -204,11 +213,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
 
 
 def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
-    """Relative local source paths are relative to the project, then to the config file."""
+    """Relative local source paths are relative to the config file (else the working directory)."""
     for src in (data.get("curate") or {}).get("sources") or []:
         path = src.get("path") if isinstance(src, dict) else None
-        if not path or "://" in path or Path(path).is_absolute() or Path(path).exists():
+        if not path or "://" in path or Path(path).is_absolute():
             continue
-        candidate = base / path
+        candidate = (base / path).resolve()
         if candidate.exists():
             src["path"] = str(candidate)

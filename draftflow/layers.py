@@ -45,8 +45,12 @@ def hf_hidden_state_index(layer_id: int) -> int:
 def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
     """Check DFlash layer ids against the target's depth; return them unchanged.
 
+    The last layer (N-1) is refused: transformers returns its output only after
+    the final norm (`hidden_states[N]` is `norm(output of layer N-1)`), so "the
+    output of layer N-1" is not what an engine would capture there.
+
     Raises:
-        ConfigError: an id is outside [0, N-1], repeated, or not increasing.
+        ConfigError: an id is outside [0, N-2], repeated, or not increasing.
     """
     if not layer_ids:
         raise ConfigError("drafter.target_layer_ids is empty; give at least one layer id")
@@ -54,7 +58,12 @@ def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int
         if not 0 <= lid < num_target_layers:
             raise ConfigError(
                 f"drafter.target_layer_ids contains {lid}, but the target has "
-                f"{num_target_layers} decoder layers (valid ids 0..{num_target_layers - 1})"
+                f"{num_target_layers} decoder layers (valid ids 0..{num_target_layers - 2})"
+            )
+        if lid == num_target_layers - 1:
+            raise ConfigError(
+                f"drafter.target_layer_ids contains {lid}, the target's last layer, whose output "
+                f"transformers only exposes after the final norm; use ids up to {num_target_layers - 2}"
             )
     if list(layer_ids) != sorted(set(layer_ids)):
         raise ConfigError(

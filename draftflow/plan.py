@@ -13,8 +13,8 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
 from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.stages.curate import check_sources
-from draftflow.store import Store
+from draftflow.stages.curate import check_sources, source_keys
+from draftflow.store import Store, digest
 from draftflow.target import TargetRef, resolve_target
 
 STAGES = ("curate", "regenerate", "tokenize", "extract", "train", "evaluate")
@@ -54,7 +54,8 @@ def plan(cfg: RunConfig, target: TargetRef) -> list[dict[str, Any]]:
         if blocked or any(u not in digests for u in ups):
             out.append({"stage": stage, "fingerprint": None, "state": "waits"})
             continue
-        inputs = {"target": target.fingerprint, **{u: digests[u] for u in ups}} if ups else {}
+        inputs = {"target": target.fingerprint, **{u: digests[u] for u in ups}} if ups else {
+            "sources": digest(source_keys(cfg.curate))}
         fp = fingerprint(stage, cfg, inputs)
         manifest = store.read_manifest(stage, fp)
         if manifest is None:

@@ -130,12 +130,17 @@ class Store:
         with self.fs.open(path, "rb") as fh:
             return json.loads(fh.read())
 
-    def local_path(self, path: str) -> str:
-        """A local file with the content of `path` (S3 objects are downloaded once)."""
+    def local_path(self, path: str, sha256: str | None = None) -> str:
+        """A local file with the content of `path` (S3 objects are downloaded once).
+
+        With `sha256` the local copy is keyed by content, so a rewritten object is
+        fetched again instead of being served from a stale copy.
+        """
         if self.is_local:
             return path
         cache = Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow")) / "store"
-        local = cache / hashlib.sha256(path.encode()).hexdigest()[:24] / os.path.basename(path)
+        key = hashlib.sha256(f"{path}\0{sha256 or ''}".encode()).hexdigest()[:24]
+        local = cache / key / os.path.basename(path)
         if not local.exists():
             local.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(path, str(local) + ".part")
@@ -174,7 +179,7 @@ class Store:
 
     def verify_sha(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> str:
         """Local path of a shard whose sha256 matches its manifest entry."""
-        local = self.local_path(self.stage_path(stage, fingerprint, shard["name"]))
+        local = self.local_path(self.stage_path(stage, fingerprint, shard["name"]), shard["sha256"])
         if sha256_file(local) != shard["sha256"]:
             raise StoreError(f"shard {shard['name']} of {stage} fails its checksum; delete it and re-run")
         return local

@@ -63,7 +63,17 @@ def default_cache_dir() -> Path:
 
 
 def folder_fingerprint(path: Path) -> str:
-    """sha256 over every file's relative name and content (weights included)."""
+    """sha256 over every file's relative name and content (weights included).
+
+    Cached per process by the files' names, sizes and mtimes, so a 16 GB model
+    folder is read once per process, not once per call.
+    """
+    stat = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.rglob("*")) if f.is_file())
+    return _content_hash(path, stat)
+
+
+@functools.lru_cache(maxsize=8)
+def _content_hash(path: Path, stat: tuple) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         h.update(str(f.relative_to(path)).encode())
@@ -95,9 +105,7 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path | None = None) -> TargetRe
 
 def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
     """Build the tiny target into `cache_dir/tiny-<hash>` unless it is already there."""
-    key = hashlib.sha256(
-        json.dumps({"cfg": cfg.model_dump(), "template": TINY_CHAT_TEMPLATE, "v": 1}, sort_keys=True).encode()
-    ).hexdigest()[:12]
+    key = _tiny_key(cfg)
     out = Path(cache_dir) / f"tiny-{key}"
     if not (out / ".complete").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +118,18 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
         os.replace(tmp, out)
         log.info("built tiny target at %s", out)
     return TargetRef(str(out), "tiny-" + (out / ".complete").read_text().strip())
+
+
+def _tiny_key(cfg: TinyTargetConfig) -> str:
+    """Everything the tiny build depends on: config, this module's code, corpus, library versions."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode())
+    h.update(Path(__file__).read_bytes())
+    for f in sorted((ASSETS / "sample_data").iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(" ".join(version(p) for p in ("tokenizers", "transformers", "torch")).encode())
+    return h.hexdigest()[:12]
 
 
 def _train_tokenizer(vocab_size: int):

@@ -8,6 +8,7 @@ as one line before Prefect starts; nothing is written.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import subprocess
 import sys
@@ -22,6 +23,27 @@ def _prefect_env() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftflow")
     # No telemetry from an offline machine (its failures only add error lines to the log).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+class _UserErrorsWithoutTraceback(logging.Filter):
+    """On the console, a DraftflowError (bad input the user must fix) is its one-line message.
+
+    Prefect logs every failed task and flow with its traceback; for user errors that
+    buries the message under library frames. The UI's log handler keeps the traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, DraftflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_user_errors() -> None:
+    # Prefect's console handler sits on the root logger; its API handler (the UI) is left alone.
+    for handler in logging.getLogger().handlers + logging.getLogger("prefect").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.addFilter(_UserErrorsWithoutTraceback())
 
 
 def _cpu_threads() -> None:
@@ -72,6 +94,7 @@ def cmd_run(args) -> int:
     _cpu_threads()
     from flows.pipeline import pipeline
 
+    _quiet_user_errors()
     start = time.time()
     summary = pipeline(cfg)
     for s in summary["stages"]:

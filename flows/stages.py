@@ -10,8 +10,10 @@ from prefect import flow
 
 from draftflow.config import RunConfig
 from draftflow.stages.common import data_shards, finalize
+from draftflow.stages.curate import source_keys
 from draftflow.stages.tokenize import merge_freq
-from flows.common import map_shards, run_stage, with_storage
+from draftflow.store import digest
+from flows.common import map_shards, run_stage
 from tasks import stage_tasks as T
 
 
@@ -21,9 +23,11 @@ def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
 
 @flow(name="curate")
 def curate_flow(cfg: RunConfig) -> dict:
+    inputs = {"sources": digest(source_keys(cfg.curate))}
+
     def work(store, fp):
-        return with_storage(T.curate_all, store)(cfg=cfg, fp=fp, inputs={})
-    return run_stage(cfg, "curate", {}, work)
+        return T.curate_all(cfg=cfg, fp=fp, inputs=inputs)
+    return run_stage(cfg, "curate", inputs, work)
 
 
 @flow(name="regenerate")
@@ -68,7 +72,7 @@ def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
     inputs = _inputs(target, extract=features)
 
     def work(store, fp):
-        return with_storage(T.train_drafter, store)(cfg=cfg, fp=fp, target=target, inputs=inputs,
+        return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs,
                                                      features=features)
     return run_stage(cfg, "train", inputs, work)
 
@@ -78,6 +82,6 @@ def evaluate_flow(cfg: RunConfig, target: dict, curated: dict, trained: dict) ->
     inputs = _inputs(target, curate=curated, train=trained)
 
     def work(store, fp):
-        return with_storage(T.evaluate_drafter, store)(cfg=cfg, fp=fp, target=target, inputs=inputs,
-                                                        curated=curated, trained=trained)
+        return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,
+                                  trained=trained)
     return run_stage(cfg, "evaluate", inputs, work)

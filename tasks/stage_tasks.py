@@ -1,9 +1,10 @@
 """One Prefect task per unit of work: a shard of a stage, or a whole small stage.
 
-Cache keys come from content only (the stage fingerprint and the input
+Shard cache keys come from content only (the stage fingerprint and the input
 shard's sha256), so a new flow run of the same command finds finished shards
-as Cached. Retries with exponential backoff cover transient errors; a
-`DraftflowError` (bad input the user must fix) is never retried.
+as Cached; the flow re-runs a cached shard whose file has gone. Retries with
+exponential backoff cover transient errors; a `DraftflowError` (bad input the
+user must fix) is never retried.
 """
 
 from __future__ import annotations
@@ -18,16 +19,12 @@ from draftflow.config import RunConfig
 from draftflow.errors import DraftflowError
 from draftflow.stages import curate, evaluate, extract, regenerate, tokenize, train
 from draftflow.stages.common import shard_key
-from draftflow.store import Store, digest
+from draftflow.store import Store
 from draftflow.target import TargetRef, resolve_target
 
 
 def _shard_cache_key(context, parameters: dict[str, Any]) -> str:
     return shard_key(parameters["fp"], parameters["shard"]["sha256"], parameters["shard"]["name"])
-
-
-def _stage_cache_key(context, parameters: dict[str, Any]) -> str:
-    return digest({"stage": parameters["fp"], "task": context.task.name})[:32]
 
 
 def _transient(task, task_run, state) -> bool:
@@ -43,7 +40,9 @@ def _transient(task, task_run, state) -> bool:
 
 RETRY = dict(retries=2, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_condition_fn=_transient)
 SHARD = dict(cache_key_fn=_shard_cache_key, persist_result=True, **RETRY)
-STAGE = dict(cache_key_fn=_stage_cache_key, persist_result=True, **RETRY)
+# Whole-stage tasks are not result-cached: their stage manifest is their cache (a cached
+# result could outlive the files it describes); train resumes from its own checkpoints.
+STAGE = dict(cache_policy=NO_CACHE, **RETRY)
 
 
 @task(name="prepare-target", cache_policy=NO_CACHE, retries=1)

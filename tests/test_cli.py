@@ -47,3 +47,17 @@ def test_plan_lists_every_stage(tmp_path):
     states = [line.split()[:2] for line in proc.stdout.splitlines()[1:]]
     assert states[0] == ["curate", "to"] and [s[0] for s in states] == [
         "curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+
+
+def test_a_source_with_only_bad_rows_stops_at_curate_with_one_clear_line(tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text('{"conversations": [{"from": "gpt", "value": "an answer with no question"}]}\n')
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"name: x\nroot: {tmp_path}/r\ncurate:\n  sources:\n    - {{name: s, path: {src}}}\n")
+    proc = _cli("run", str(cfg))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("draftflow: error:")]
+    assert len(errors) == 1 and "curate kept no training conversations" in errors[0]
+    assert "no_user_turn=1" in errors[0]
+    assert not list((tmp_path / "r").glob("*/*/manifest.json"))  # nothing looks complete

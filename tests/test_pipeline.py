@@ -59,6 +59,18 @@ def test_second_run_reuses_every_stage_and_touches_nothing(uninterrupted):
     assert _files(root, STAGES) == before
 
 
+def test_deleted_stage_output_is_recomputed_not_taken_from_a_cache(uninterrupted):
+    import shutil
+
+    from flows.pipeline import pipeline
+
+    root, first = uninterrupted
+    shutil.rmtree(root / "train")
+    again = pipeline(tiny_config(root))
+    assert [s["status"] for s in again["stages"]][4] == "ran"
+    assert _checkpoint_sha(again) == _checkpoint_sha(first)  # deterministic: the same drafter again
+
+
 def test_crash_in_train_then_rerun_reuses_earlier_stages_and_equals_uninterrupted(
         uninterrupted, tmp_path, monkeypatch):
     import draftflow.train as train_lib

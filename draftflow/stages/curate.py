@@ -18,6 +18,7 @@ from typing import Any
 from draftflow.config import CurateConfig, RunConfig
 from draftflow.data.schema import CONVERSATION, sample_id
 from draftflow.data.sources import BadRow, check_source, read_source, to_messages
+from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages.common import finalize, reject, write_parquet, write_rejects
 from draftflow.store import Store
 
@@ -26,12 +27,24 @@ STAGE = "curate"
 
 def check_sources(cfg: CurateConfig) -> None:
     """Raise `SourceError` naming the first source that cannot be reached."""
-    from draftflow.errors import ConfigError
-
     if not cfg.sources:
         raise ConfigError("curate.sources is empty; list at least one source with a name and a path")
     for src in cfg.sources:
         check_source(src)
+
+
+def source_keys(cfg: CurateConfig) -> dict[str, str]:
+    """A content key per source (fsspec `ukey`: size+mtime locally, ETag on S3).
+
+    Part of curate's fingerprint, so editing a source file in place re-runs curation.
+    """
+    import fsspec
+
+    keys = {}
+    for src in cfg.sources:
+        fs, path = fsspec.core.url_to_fs(src.path)
+        keys[src.name] = str(fs.ukey(path))
+    return keys
 
 
 def validate_conversation(messages: list[dict[str, Any]]) -> None:
@@ -100,6 +113,10 @@ def run(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str]) -> dict[s
     check_sources(cfg.curate)
     kept, rejects, dropped, rows_in = collect(cfg.curate)
     trains, evals = shuffle_and_split(kept, cfg.curate)
+    if not trains:
+        reasons = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items())) or "none"
+        raise DraftflowError(f"curate kept no training conversations from {rows_in} rows "
+                             f"(dropped: {reasons}); check curate.sources and their format")
     entries = []
     for split, rows in (("train", trains), ("eval", evals)):
         size = cfg.curate.shard_rows

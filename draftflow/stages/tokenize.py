@@ -78,7 +78,7 @@ def merge_freq(store: Store, fp: str, results: list[dict[str, Any]]) -> dict[str
 
     total: Counter = Counter()
     for r in results:
-        for row in read_rows(store.local_path(store.stage_path(STAGE, fp, r["freq"]["name"]))):
+        for row in read_rows(store.verify_sha(STAGE, fp, r["freq"])):
             total[row["token_id"]] += row["count"]
     rows = [{"token_id": t, "count": c} for t, c in sorted(total.items())]
     with store.writing(store.stage_path(STAGE, fp, "token_freq.parquet")) as tmp:
