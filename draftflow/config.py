@@ -146,7 +146,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "tokenize": ("target", "tokenize"),
     "extract": ("target", "extract", "drafter.target_layer_ids", "drafter.num_taps"),
     "train": ("target", "drafter", "train"),
-    "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking"),
+    "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),
 }
 # Fields that choose where or how often work happens, never its result: changing them
 # after a crash must not move the stage to a new folder (and lose its checkpoints).

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 @torch.no_grad()
-def capture_taps(target, ids: list[int], layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def capture_taps(target, ids: list[int], layer_ids: list[int],
+                 feature_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain target forward: logits and tap features for every position.
 
     Args:
@@ -40,6 +41,8 @@ def capture_taps(target, ids: list[int], layer_ids: list[int]) -> tuple[torch.Te
         ids: the full token sequence.
         layer_ids: DFlash layer ids; id L is the output of decoder layer L,
             i.e. HF `hidden_states[L + 1]` (`draftflow.layers`).
+        feature_dtype: round the features through this dtype (the feature store's,
+            e.g. bf16) so the drafter sees at inference what it saw in training.
 
     Returns:
         logits (T, V) and features (T, n_taps * D), taps concatenated in `layer_ids` order
@@ -48,8 +51,10 @@ def capture_taps(target, ids: list[int], layer_ids: list[int]) -> tuple[torch.Te
     device = target.get_input_embeddings().weight.device
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out = target(input_ids=x, output_hidden_states=True, use_cache=False)
-    feats = [out.hidden_states[hf_hidden_state_index(lid)] for lid in layer_ids]
-    return out.logits[0], torch.cat(feats, dim=-1)[0]
+    feats = torch.cat([out.hidden_states[hf_hidden_state_index(lid)] for lid in layer_ids], dim=-1)[0]
+    if feature_dtype is not None:
+        feats = feats.to(feature_dtype).to(out.hidden_states[0].dtype)
+    return out.logits[0], feats
 
 
 @torch.no_grad()
@@ -87,7 +92,8 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
 
 
 def speculative_generate(
-    target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int]
+    target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+    feature_dtype: torch.dtype | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; output equals `greedy_generate` (lossless).
 
@@ -96,6 +102,7 @@ def speculative_generate(
         prompt_ids: prompt token ids (non-empty).
         max_new_tokens: exact cap on generated tokens.
         eos_ids: generation stops after the first of these (it is kept).
+        feature_dtype: the feature store's dtype (see `capture_taps`).
 
     Returns:
         (generated tokens, acceptance length per drafting step). A step's length is
@@ -103,14 +110,14 @@ def speculative_generate(
         `1 + sum(accept_lengths) == len(tokens)` (the first token comes from prefill).
     """
     layer_ids = drafter.config.target_layer_ids
-    logits, feats = capture_taps(target, prompt_ids, layer_ids)
+    logits, feats = capture_taps(target, prompt_ids, layer_ids, feature_dtype)
     seq = list(prompt_ids)  # tokens the target has read; the anchor sits at position len(seq)
     out, done = _finish([int(logits[-1].argmax())], max_new_tokens, eos_ids)
     accept: list[int] = []
     while not done:
         anchor, n = out[-1], len(seq)
         drafts = draft_block(drafter, anchor, feats[:n])[1:].argmax(-1).tolist()
-        logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids)
+        logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids, feature_dtype)
         target_next = logits[n:].argmax(-1).tolist()  # greedy tokens for positions n+1..n+B
         k = _accept(drafts, target_next)
         step_tokens = drafts[:k] + [target_next[k]]
@@ -147,6 +154,7 @@ def evaluate_prompts(
     prompts: list[list[int]],
     ecfg: EvaluateConfig,
     eos_ids: set[int],
+    feature_dtype: torch.dtype | None = None,
 ) -> dict:
     """Decode every prompt speculatively, check it against greedy, report acceptance.
 
@@ -155,6 +163,7 @@ def evaluate_prompts(
         ecfg: the `evaluate` config section (`max_new_tokens`, `num_prompts`; `device` is the
             caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
+        feature_dtype: the feature store's dtype (see `capture_taps`).
 
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
@@ -169,7 +178,7 @@ def evaluate_prompts(
     tokens, per_prompt = 0, []
     drafter.eval()
     for i, prompt in enumerate(chosen):
-        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids)
+        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, feature_dtype)
         ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
         check_lossless(i, spec, ref)
         lengths += acc

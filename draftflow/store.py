@@ -30,6 +30,9 @@ from draftflow.errors import StoreError
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+# Shards up to this size are re-hashed when a stage is checked for reuse; bigger ones
+# (feature shards, GBs) are checked by size there and by sha256 when a stage reads them.
+SHA_ON_REUSE_MAX_BYTES = 64 << 20
 
 
 def sha256_file(path: str | Path) -> str:
@@ -176,6 +179,8 @@ class Store:
         size = self.fs.size(path)
         if size != shard["bytes"]:
             raise StoreError(f"shard {self.url(path)} has {size} bytes, manifest says {shard['bytes']}")
+        if size <= SHA_ON_REUSE_MAX_BYTES and self.is_local and sha256_file(path) != shard["sha256"]:
+            raise StoreError(f"shard {self.url(path)} fails its checksum")
 
     def verify_sha(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> str:
         """Local path of a shard whose sha256 matches its manifest entry."""

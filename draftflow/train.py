@@ -25,15 +25,14 @@ import hashlib
 import json
 import logging
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
+from draftflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
@@ -44,8 +43,6 @@ logger = logging.getLogger(__name__)
 IGNORE = -100
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-CKPT_DIR = "checkpoints"
-KEEP_CHECKPOINTS = 2
 METRIC_WINDOW = 20  # steps averaged into the reported metrics
 
 
@@ -286,64 +283,6 @@ def _step_record(stats: list[LossStats], w_total: float, block_size: int, skippe
         "blocks": sum(int(s.leading.numel()) for s in stats),
         "skipped": skipped,
     }
-
-
-# ----------------------------------------------------------------------------- checkpoints
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder under `out_dir/checkpoints`, if any."""
-    root = Path(out_dir) / CKPT_DIR
-    done = sorted(p for p in root.glob("step_*") if p.is_dir()) if root.is_dir() else []
-    return done[-1] if done else None
-
-
-def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched, state: dict, meta: dict) -> Path:
-    """Write weights + optimizer + scheduler + loop state to a temp folder, then rename."""
-    root = Path(out_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{state['step']:08d}"
-    tmp = root / f".tmp_{final.name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    weights = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
-    save_file(weights, str(tmp / "model.safetensors"))
-    torch.save(
-        {
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "loop": state,
-        },
-        tmp / "state.pt",
-    )
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)  # the folder appears complete or not at all
-    for old in sorted(root.glob("step_*"))[:-KEEP_CHECKPOINTS]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict, device: torch.device) -> dict:
-    """Restore a checkpoint into live objects; return the loop state.
-
-    Raises:
-        ConfigError: the checkpoint was written by a run with different settings.
-    """
-    saved = json.loads((path / "meta.json").read_text())
-    if saved != meta:
-        diff = sorted(k for k in set(saved) | set(meta) if saved.get(k) != meta.get(k))
-        raise ConfigError(
-            f"checkpoint {path} was written with different settings ({diff}); "
-            "delete that checkpoints folder or train into a new output folder"
-        )
-    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=False)
-    blob = torch.load(path / "state.pt", map_location=device, weights_only=True)
-    opt.load_state_dict(blob["optimizer"])
-    sched.load_state_dict(blob["scheduler"])
-    torch.set_rng_state(blob["torch_rng"].cpu())
-    return blob["loop"]
 
 
 def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:

@@ -32,7 +32,9 @@ def test_manifest_is_the_completion_marker_and_verifies_shards(tmp_path):
         entry = shard_entry("x.txt", tmp, rows=1)
     store.write_manifest("s", "fp", _manifest(entry))
     assert store.read_manifest("s", "fp")["shards"][0]["sha256"] == entry["sha256"]
-    # A truncated shard makes the stage incomplete again.
+    # A corrupted shard (same size) or a truncated one makes the stage incomplete again.
+    open(store.stage_path("s", "fp", "x.txt"), "w").write("dada")
+    assert store.read_manifest("s", "fp") is None
     open(store.stage_path("s", "fp", "x.txt"), "w").write("da")
     assert store.read_manifest("s", "fp") is None
 

@@ -7,6 +7,8 @@ suppressed so a random or undertrained model never emits a non-token.
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from draftflow.engines.base import Completion, SamplingParams
@@ -40,7 +42,8 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         sample = params.temperature > 0
         with model_lock(self.model):
-            torch.manual_seed(params.seed)  # under the lock: sampled batches stay reproducible
+            # Under the lock, seeded by (seed, batch content): reproducible, and batches differ.
+            torch.manual_seed(zlib.crc32(repr((params.seed, prompts[0], len(prompts))).encode()))
             out = self._generate(ids.to(device), mask.to(device), params, sample)
         return [self._completion(row[width:].tolist(), len(p)) for row, p in zip(out, prompts)]
 

@@ -18,6 +18,7 @@ from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.stages.common import data_shards, finalize
+from draftflow.stages.extract import DTYPES
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
 
@@ -45,13 +46,14 @@ def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: b
 
 
 def load_drafter(store: Store, trained: dict[str, Any], model):
+    """The trained drafter around the target's shared embedding and head (checksums verified)."""
     from draftflow.models.dflash import DFlashDrafter
 
-    folder = Path(tempfile.mkdtemp(prefix="draftflow-drafter-"))
-    for s in trained["manifest"]["shards"]:
-        local = store.verify_sha("train", trained["fingerprint"], s)
-        (folder / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
-    return DFlashDrafter.load(folder, model)
+    with tempfile.TemporaryDirectory(prefix="draftflow-drafter-") as folder:
+        for s in trained["manifest"]["shards"]:
+            local = store.verify_sha("train", trained["fingerprint"], s)
+            (Path(folder) / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
+        return DFlashDrafter.load(folder, model)
 
 
 def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
@@ -74,7 +76,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
     prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
     drafter = load_drafter(store, trained, model)
-    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer))
+    # Draft from features rounded like the stored ones the drafter was trained on.
+    feature_dtype = DTYPES[cfg.extract.dtype]
+    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer), feature_dtype)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     entries = []
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
@@ -82,7 +86,8 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
             Path(tmp).write_text(text)
             entries.append(shard_entry(name, tmp, rows=0))
     n = stats["prompts"]
-    results = [{"shard": None, "rejected": None, "rows_in": n, "rows_out": n, "dropped": {}}]
+    dropped = {"not_selected": len(prompts) - n} if len(prompts) > n else {}
+    results = [{"shard": None, "rejected": None, "rows_in": len(prompts), "rows_out": n, "dropped": dropped}]
     results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
