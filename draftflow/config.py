@@ -72,7 +72,14 @@ class RegenerateConfig(Section):
 
 
 class TokenizeConfig(Section):
-    max_length: int = Field(3072, ge=8)
+    max_length: int = Field(3072, ge=8, description="right-truncate every row to this many tokens")
+    policy: Literal["auto", "last_turn", "per_turn", "all_turns"] = Field(
+        "auto", description="which assistant turns a row supervises; see README 'Loss masks'")
+    min_supervised_tokens: int | None = Field(
+        None, ge=1, description="drop rows with fewer supervised tokens; null = 2 x drafter.block_size")
+    draft_vocab_size: int = Field(32000, ge=1, description="EAGLE-3 draft vocabulary (top-N supervised tokens)")
+    num_workers: int | None = Field(
+        None, ge=1, description="worker processes per shard; null = one per core for big shards")
 
 
 class ExtractConfig(Section):
@@ -143,14 +150,14 @@ class RunConfig(Section):
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "curate": ("curate",),
     "regenerate": ("target", "regenerate"),
-    "tokenize": ("target", "tokenize"),
+    "tokenize": ("target", "tokenize", "drafter.block_size"),
     "extract": ("target", "extract", "drafter.target_layer_ids", "drafter.num_taps"),
     "train": ("target", "drafter", "train"),
     "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),
 }
 # Fields that choose where or how often work happens, never its result: changing them
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
-NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device"}
+NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

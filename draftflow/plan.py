@@ -25,11 +25,23 @@ UPSTREAM = {
 
 
 def preflight(cfg: RunConfig) -> TargetRef:
-    """Fail fast, before any work, on unreachable sources, a bad target or bad taps."""
+    """Fail fast, before any work, on unreachable sources, a bad target, its chat template, or bad taps."""
     check_sources(cfg.curate)
     target = resolve_target(cfg.target)
     _check_taps(cfg, target)
+    _check_chat(cfg, target)
     return target
+
+
+def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
+    """The target must have a chat template, and `all_turns` needs a prefix-stable one."""
+    from draftflow.chat import ChatFormat
+
+    chat = ChatFormat.from_pretrained(target.path)
+    if cfg.tokenize.policy == "all_turns" and not chat.is_prefix_stable(enable_thinking=cfg.regenerate.enable_thinking):
+        raise ConfigError(
+            f"tokenize.policy=all_turns needs a prefix-stable chat template, but {target.path}'s rewrites "
+            "earlier turns (e.g. drops their reasoning); use policy auto or per_turn")
 
 
 def _check_taps(cfg: RunConfig, target: TargetRef) -> None:

@@ -6,15 +6,22 @@ results, and returns its own stage result (status, fingerprint, manifest).
 
 from __future__ import annotations
 
+from collections import Counter
+
 from prefect import flow
 
 from draftflow.config import RunConfig
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.curate import source_keys
-from draftflow.stages.tokenize import merge_freq
+from draftflow.stages.tokenize import write_vocab_files
+from draftflow.target import TargetRef
 from draftflow.store import digest
 from flows.common import map_shards, run_stage
 from tasks import stage_tasks as T
+
+
+def target_ref(target: dict) -> TargetRef:
+    return TargetRef(**target)
 
 
 def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
@@ -49,10 +56,12 @@ def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
     def work(store, fp):
         results = map_shards(T.tokenize_shard, store, "tokenize", data_shards(regenerated["manifest"]), cfg=cfg, fp=fp,
                              target=target, input_fp=regenerated["fingerprint"])
-        freq = merge_freq(store, fp, results)
-        results.append({"shard": None, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}})
-        manifest = finalize(store, "tokenize", fp, cfg, inputs, results, extra={"token_freq": freq})
-        return manifest
+        vocab_files = write_vocab_files(store, fp, cfg, target_ref(target), results)
+        drops: Counter = sum((Counter(r["sequence_drops"]) for r in results), Counter())
+        results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in vocab_files]
+        extra = {"sequences": sum(r["shard"]["sequences"] for r in results if r["shard"] and "sequences" in r["shard"]),
+                 "sequences_dropped": dict(sorted(drops.items())), "policy": cfg.tokenize.policy}
+        return finalize(store, "tokenize", fp, cfg, inputs, results, extra=extra)
     return run_stage(cfg, "tokenize", inputs, work)
 
 

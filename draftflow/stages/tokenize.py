@@ -1,86 +1,186 @@
-"""Tokenize: conversations -> input ids + assistant-only loss mask, and token counts.
+"""Tokenize: conversations -> input ids + assistant-only loss mask, token counts, draft vocab.
 
 Rendering and masks come from `ChatFormat` (derived from the target's chat
-template alone, no `{% generation %}` tags needed). When the regenerate stage
-kept the target's generated ids, those exact ids are supervised; every
-supervised span is preceded by the ids a server computes for that history.
-Supervised-token frequencies are counted per shard and merged per stage
-(EAGLE-3's draft vocabulary is built from them).
+template alone, no `{% generation %}` tags needed); `tokenize.policy` picks
+which assistant turns a row supervises. When the regenerate stage kept the
+target's generated ids, those exact ids are supervised, and every supervised
+span is preceded by the ids a server computes for that history. Rows are
+right-truncated to `max_length`; rows left with fewer than
+`min_supervised_tokens` supervised tokens are dropped with a counted reason.
+Supervised-token frequencies give the EAGLE-3 draft vocabulary (`d2t`, `t2d`).
+
+Accounting: rows_in/rows_out/dropped count conversations (the unit the
+upstream stage hands over); the sequences a conversation yields, and the
+sequences dropped by reason, are reported beside them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from functools import lru_cache
 from typing import Any
 
 import pyarrow as pa
 
-from draftflow.config import RunConfig
-from draftflow.data.schema import TOKENIZED, read_rows
+from draftflow.config import RunConfig, TokenizeConfig
+from draftflow.data.schema import TOKENIZED, read_rows, write_rows
 from draftflow.errors import ConversationError
 from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
-from draftflow.store import Store
+from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef
 
 log = logging.getLogger(__name__)
 STAGE = "tokenize"
 FREQ = pa.schema([("token_id", pa.int32()), ("count", pa.int64())])
+ROWS_PER_WORKER = 2000  # below this a worker process costs more than it saves
 
 
-def encode_rows(rows: list[dict], chat, max_length: int) -> tuple[list[dict], list[dict], Counter, Counter]:
-    """Encode conversations; return (rows out, rejects, dropped by reason, token counts)."""
-    out, rejects, dropped, freq = [], [], Counter(), Counter()
+def min_supervised(cfg: RunConfig) -> int:
+    """DFlash needs room for anchors and blocks: default 2 x block_size supervised tokens."""
+    return cfg.tokenize.min_supervised_tokens or 2 * cfg.drafter.block_size
+
+
+def truncate(ids: list[int], mask: list[int], max_length: int, minimum: int) -> tuple[list, list, str | None]:
+    """Right-truncate a row; return (ids, mask, drop reason or None)."""
+    ids, mask = ids[:max_length], mask[:max_length]
+    n = sum(mask)
+    if n == 0:
+        return ids, mask, "truncated_away"
+    if n < minimum:
+        return ids, mask, "too_few_supervised_tokens"
+    return ids, mask, None
+
+
+def encode_conversation(row: dict, chat, tcfg: TokenizeConfig, minimum: int) -> tuple[list[dict], Counter, str, str]:
+    """Rows of one conversation, the sequences dropped by reason, and (reason, detail) if none is left."""
+    completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
+    try:
+        encoded = chat.encode(row["messages"], completions, None, policy=tcfg.policy,
+                              enable_thinking=bool(row.get("enable_thinking")))
+    except ConversationError as exc:
+        return [], Counter(), getattr(exc, "reason", "conversation_error"), str(exc)
+    out, drops = [], Counter()
+    for enc in encoded:
+        ids, mask, why = truncate(enc.input_ids, enc.loss_mask, tcfg.max_length, minimum)
+        if why:
+            drops[why] += 1
+            continue
+        out.append({"sample_id": row["sample_id"], "row": len(out), "turns": enc.turns,
+                    "input_ids": ids, "loss_mask": mask})
+    if out:
+        return out, drops, "", ""
+    reason = drops.most_common(1)[0][0] if drops else "no_supervised_tokens"
+    return [], drops, reason, f"no row kept ({dict(drops) or 'nothing supervised'})"
+
+
+@lru_cache(maxsize=2)
+def _chat(target_path: str):
+    from draftflow.chat import ChatFormat
+
+    return ChatFormat.from_pretrained(target_path)
+
+
+def encode_rows(rows: list[dict], target_path: str, tcfg: TokenizeConfig, minimum: int) -> dict[str, Any]:
+    """Encode conversations in this process; return rows, rejects and counts."""
+    chat = _chat(target_path)
+    out, rejects, dropped, seq_drops, freq = [], [], Counter(), Counter(), Counter()
     for row in rows:
-        completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
-        try:
-            encoded = chat.encode(row["messages"], completions, max_length,
-                                  enable_thinking=bool(row.get("enable_thinking")))
-        except ConversationError as exc:
-            dropped["conversation_error"] += 1
-            rejects.append(reject(row["source"], "conversation_error", str(exc), row["sample_id"]))
-            continue
-        if not encoded:
-            dropped["no_supervised_tokens"] += 1
-            rejects.append(reject(row["source"], "no_supervised_tokens",
-                                  f"nothing supervised within max_length={max_length}", row["sample_id"]))
-            continue
-        for j, enc in enumerate(encoded):
-            out.append({"sample_id": row["sample_id"], "row": j, "turns": enc.turns,
-                        "input_ids": enc.input_ids, "loss_mask": enc.loss_mask})
-            freq.update(t for t, m in zip(enc.input_ids, enc.loss_mask) if m)
-    return out, rejects, dropped, freq
+        encoded, drops, reason, detail = encode_conversation(row, chat, tcfg, minimum)
+        seq_drops.update(drops)
+        if reason:
+            dropped[reason] += 1
+            rejects.append(reject(row["source"], reason, detail, row["sample_id"]))
+        for r in encoded:
+            freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+        out += encoded
+    return {"rows": out, "rejects": rejects, "dropped": dropped, "seq_drops": seq_drops, "freq": freq}
+
+
+def encode_parallel(rows: list[dict], target_path: str, tcfg: TokenizeConfig, minimum: int) -> dict[str, Any]:
+    """`encode_rows` over worker processes for big shards (Jinja rendering holds the GIL)."""
+    workers = tcfg.num_workers or min(os.cpu_count() or 1, max(1, len(rows) // ROWS_PER_WORKER))
+    if workers <= 1:
+        return encode_rows(rows, target_path, tcfg, minimum)
+    size = -(-len(rows) // workers)
+    chunks = [rows[i:i + size] for i in range(0, len(rows), size)]
+    import multiprocessing
+
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        parts = list(pool.map(encode_rows, chunks, [target_path] * len(chunks), [tcfg] * len(chunks),
+                              [minimum] * len(chunks)))
+    merged: dict[str, Any] = {"rows": [], "rejects": [], "dropped": Counter(), "seq_drops": Counter(),
+                              "freq": Counter()}
+    for part in parts:
+        for key, value in part.items():
+            merged[key] += value
+    return merged
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, regen_fp: str,
               shard: dict[str, Any]) -> dict[str, Any]:
     """Tokenize one regenerate shard; also write its token-frequency shard."""
-    from draftflow.chat import ChatFormat
-
     rows = read_rows(store.verify_sha("regenerate", regen_fp, shard))
-    out, rejects, dropped, freq = encode_rows(rows, ChatFormat.from_pretrained(target.path), cfg.tokenize.max_length)
-    tokens = sum(len(r["input_ids"]) for r in out)
-    supervised = sum(freq.values())
+    res = encode_parallel(rows, target.path, cfg.tokenize, min_supervised(cfg))
+    out, freq = res["rows"], res["freq"]
+    tokens, supervised = sum(len(r["input_ids"]) for r in out), sum(freq.values())
     entry = write_parquet(store, STAGE, fp, shard["name"], out, TOKENIZED, tokens=tokens,
                           split=shard["split"], sequences=len(out), supervised_tokens=supervised)
     freq_rows = [{"token_id": t, "count": c} for t, c in sorted(freq.items())]
     freq_entry = write_parquet(store, STAGE, fp, f"freq-{shard['name']}", freq_rows, FREQ)
-    rejected = write_rejects(store, STAGE, fp, shard["name"], rejects)
+    rejected = write_rejects(store, STAGE, fp, shard["name"], res["rejects"])
     conversations_out = len({r["sample_id"] for r in out})
-    log.info("tokenized %s: %d sequences, %d tokens (%d supervised)", shard["name"], len(out), tokens, supervised)
-    return shard_result(entry, rejected, len(rows), conversations_out, dropped, freq=freq_entry)
+    log.info("tokenized %s: %d sequences, %d tokens (%d supervised), dropped %s", shard["name"], len(out),
+             tokens, supervised, dict(res["dropped"]) or "nothing")
+    return shard_result(entry, rejected, len(rows), conversations_out, res["dropped"], freq=freq_entry,
+                        sequence_drops=dict(res["seq_drops"]))
 
 
-def merge_freq(store: Store, fp: str, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the per-shard counts into `token_freq.parquet`; return its entry."""
-    from draftflow.data.schema import write_rows
-    from draftflow.store import shard_entry
+def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list[bool]]:
+    """EAGLE-3 draft vocabulary: the top-n supervised tokens (ties by id), in id order.
 
+    Returns:
+        d2t (n,) with `used[i] = i + d2t[i]`, and t2d (vocab_size,) True for used tokens.
+        When fewer than n tokens were seen, the lowest unused ids fill the rest.
+    """
+    n = min(n, vocab_size)
+    ranked = [t for t, _ in sorted(freq.items(), key=lambda tc: (-tc[1], tc[0])) if t < vocab_size][:n]
+    chosen = set(ranked)
+    filler = (t for t in range(vocab_size) if t not in chosen)
+    while len(chosen) < n:
+        chosen.add(next(filler))
+    used = sorted(chosen)
+    t2d = [False] * vocab_size
+    for t in used:
+        t2d[t] = True
+    return [t - i for i, t in enumerate(used)], t2d
+
+
+def merge_freq(store: Store, fp: str, results: list[dict[str, Any]]) -> Counter:
     total: Counter = Counter()
     for r in results:
         for row in read_rows(store.verify_sha(STAGE, fp, r["freq"])):
             total[row["token_id"]] += row["count"]
-    rows = [{"token_id": t, "count": c} for t, c in sorted(total.items())]
+    return total
+
+
+def write_vocab_files(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
+                      results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Write `token_freq.parquet` and `draft_vocab.safetensors`; return their manifest entries."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    total = merge_freq(store, fp, results)
+    entries = []
     with store.writing(store.stage_path(STAGE, fp, "token_freq.parquet")) as tmp:
-        write_rows(tmp, rows, FREQ)
-        return shard_entry("token_freq.parquet", tmp, rows=len(rows), kind="freq")
+        write_rows(tmp, [{"token_id": t, "count": c} for t, c in sorted(total.items())], FREQ)
+        entries.append(shard_entry("token_freq.parquet", tmp, rows=len(total), kind="freq"))
+    vocab = AutoConfig.from_pretrained(target.path, revision=cfg.target.revision).vocab_size
+    d2t, t2d = draft_vocab(total, vocab, cfg.tokenize.draft_vocab_size)
+    with store.writing(store.stage_path(STAGE, fp, "draft_vocab.safetensors")) as tmp:
+        save_file({"d2t": torch.tensor(d2t, dtype=torch.int64), "t2d": torch.tensor(t2d, dtype=torch.bool)}, tmp)
+        entries.append(shard_entry("draft_vocab.safetensors", tmp, rows=len(d2t), kind="draft_vocab"))
+    return entries
