@@ -48,16 +48,53 @@ class TargetConfig(Section):
 
 
 class SourceConfig(Section):
+    """One input dataset: files by path (local, s3://, globs) or a Hugging Face dataset by name.
+
+    `columns` maps the column an adapter reads to this source's column
+    (`{question: input_text}` lets the openorca adapter read `input_text`).
+    Mixture: `count` is a target number of kept rows; `weight` a share of
+    `curate.total_rows` (or, without it, the largest mix the weights allow).
+    """
+
     name: str
-    path: str
-    format: Literal["auto", "sharegpt", "openai", "alpaca"] = "auto"
+    path: str | None = Field(None, description="file or glob: local, s3://…; .jsonl/.json(.gz|.zst) or .parquet")
+    hf: str | None = Field(None, description="Hugging Face dataset name, read with datasets' streaming loader")
+    hf_config: str | None = None
+    hf_split: str = "train"
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "openorca", "magicoder", "prompt",
+                    "function_calling"] = "auto"
+    columns: dict[str, str] = Field(default_factory=dict, description="adapter column -> source column")
+    count: int | None = Field(None, ge=0, description="keep at most this many rows of this source")
+    weight: float | None = Field(None, gt=0.0, description="share of the mixture (with the other weights)")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> SourceConfig:
+        if (self.path is None) == (self.hf is None):
+            raise ValueError(f"source '{self.name}' needs exactly one of path or hf")
+        if self.count is not None and self.weight is not None:
+            raise ValueError(f"source '{self.name}' sets both count and weight; keep one")
+        return self
 
 
 class CurateConfig(Section):
+    """Curation: filters, dedup, mixture and split. Lengths count the prompt (system + user text)."""
+
     sources: list[SourceConfig] = Field(default_factory=list)
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     shard_rows: int = Field(1000, ge=1)
     seed: int = 0
+    min_prompt_chars: int = Field(1, ge=0)
+    max_prompt_chars: int | None = Field(None, ge=1)
+    min_prompt_tokens: int | None = Field(None, ge=0, description="counted with curate.tokenizer (or the target's)")
+    max_prompt_tokens: int | None = Field(None, ge=1)
+    tokenizer: str | None = Field(None, description="tokenizer for token bounds; null = the target's")
+    blocklist: list[str] = Field(default_factory=list, description="regexes; a prompt matching any is dropped")
+    max_non_latin: float | None = Field(
+        None, ge=0.0, le=1.0, description="drop prompts whose letters are more than this share non-Latin")
+    near_dup_threshold: float | None = Field(
+        None, gt=0.0, le=1.0, description="MinHash LSH near-dup removal at this Jaccard; null = off (0.9 typical)")
+    near_dup_ngram: int = Field(3, ge=1, description="word n-grams hashed for near-dup")
+    total_rows: int | None = Field(None, ge=1, description="mixture size shared by weighted sources")
 
 
 class RegenerateConfig(Section):

@@ -19,7 +19,17 @@ class SourceError(DraftflowError):
 
 
 class ConversationError(DraftflowError):
-    """A conversation cannot be rendered (e.g. it has no user turn)."""
+    """A conversation cannot be rendered (e.g. it has no user turn).
+
+    `reason` is the short code the stages count in their manifests.
+    """
+
+    reason: str = "conversation_error"
+
+    def __init__(self, message: str = "", reason: str | None = None):
+        super().__init__(message)
+        if reason is not None:
+            self.reason = reason
 
 
 class StoreError(DraftflowError):

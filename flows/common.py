@@ -74,6 +74,12 @@ def publish_counts(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
                           m["rows_in"], m["rows_out"], m["dropped"] or "nothing", result["path"])
 
 
+def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, Any]], description: str) -> None:
+    """A table artifact keyed by run, stage and `what` (nothing when there are no rows)."""
+    if rows:
+        create_table_artifact(table=rows, key=artifact_key(cfg.name, stage, what), description=description)
+
+
 def run_stage(cfg: RunConfig, stage: str, inputs: dict[str, str], work: Callable[[Store, str], dict]) -> dict:
     """Reuse a complete stage, or run `work(store, fp)` (which returns the manifest)."""
     store, fp, manifest = reuse(cfg, stage, inputs)

@@ -6,17 +6,21 @@ results, and returns its own stage result (status, fingerprint, manifest).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
+from draftflow.data.stats import table_rows
 from draftflow.stages.common import data_shards, finalize
-from draftflow.stages.curate import source_keys
+from draftflow.stages.curate import plan_parts
+from draftflow.stages.curate import stage_inputs as curate_inputs
 from draftflow.stages.tokenize import write_vocab_files
 from draftflow.target import TargetRef
-from draftflow.store import digest
-from flows.common import map_shards, run_stage
+from flows.common import map_shards, publish_table, run_stage
+from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
 
 
@@ -28,13 +32,19 @@ def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
     return {"target": target["fingerprint"], **{k: v["digest"] for k, v in upstream.items()}}
 
 
-@flow(name="curate")
+@flow(name="curate", task_runner=ThreadPoolTaskRunner(max_workers=os.cpu_count() or 2))
 def curate_flow(cfg: RunConfig) -> dict:
-    inputs = {"sources": digest(source_keys(cfg.curate))}
+    """Scan every source part in parallel, then one merge (dedup, mixture, split, shards)."""
+    inputs, tokenizer = curate_inputs(cfg)  # fails here, before any work, on an unreachable source
 
     def work(store, fp):
-        return T.curate_all(cfg=cfg, fp=fp, inputs=inputs)
-    return run_stage(cfg, "curate", inputs, work)
+        scans = map_shards(CT.curate_scan, store, "curate", plan_parts(cfg.curate), cfg=cfg, fp=fp,
+                           tokenizer=tokenizer)
+        return CT.curate_merge(cfg=cfg, fp=fp, inputs=inputs, scans=scans)
+    result = run_stage(cfg, "curate", inputs, work)
+    publish_table(cfg, "curate", "sources", table_rows(result["manifest"]["extra"].get("sources", {})),
+                  "curate: rows read, kept and dropped by reason per source")
+    return result
 
 
 @flow(name="regenerate")

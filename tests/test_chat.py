@@ -277,9 +277,10 @@ def test_template_that_is_not_prefix_stable_needs_target_completions(qwen_tok):
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
     )
     cf = ChatFormat(qwen_tok, tpl)
-    with pytest.raises(ConversationError, match="not prefix-stable") as err:
+    with pytest.raises(ConversationError, match="not a prefix") as err:
         cf.encode(PLAIN_TWO_TURNS)
     assert "\n" not in str(err.value)
+    assert err.value.reason == "needs_completions"
     generated = qwen_tok.encode("ok</think>\n\nParis.<|im_end|>", add_special_tokens=False)
     (row,) = cf.encode(PLAIN_TWO_TURNS[:2], {1: generated})
     assert row.input_ids[: -len(generated)] == cf.prompt_ids(PLAIN_TWO_TURNS[:1])

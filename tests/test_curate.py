@@ -36,19 +36,34 @@ def _write_sources(tmp_path):
                         eval_fraction=0.2, shard_rows=4)
 
 
+def _run(ccfg, root):
+    cfg = load_config(None, [f"root={root}"]).model_copy(update={"curate": ccfg})
+    return curate.run(Store(str(root)), "fp", cfg, {})
+
+
+def _rows(root, manifest, kind="shards"):
+    return [r for s in manifest[kind] for r in read_rows(f"{root}/curate/fp/{s['name']}")]
+
+
 def test_adapters_rejects_and_dedup_account_for_every_row(tmp_path):
     ccfg = _write_sources(tmp_path)
-    kept, rejects, dropped, rows_in = curate.collect(ccfg)
-    assert rows_in == 8 + 10 + 2
+    m = _run(ccfg, tmp_path / "a")
+    assert m["rows_in"] == 8 + 10 + 2
     # Row 1 has a system prompt (part of the key); rows 2 and 3 differ only in whitespace,
     # so row 3 is the one duplicate.
+    dropped = m["dropped"]
     assert dropped == {"duplicate": 1, "no_user_turn": 1, "unknown_role": 1, "non_text_content": 1,
                        "empty_prompt": 1, "malformed_json": 1}
-    assert len(kept) + sum(dropped.values()) == rows_in
+    assert m["rows_out"] + sum(dropped.values()) == m["rows_in"]
+    rejects = _rows(tmp_path / "a", m, "rejected")
     assert sorted(r["reason"] for r in rejects) == sorted(k for k in dropped if k != "duplicate")
-    alpaca = [r for r in kept if r["source"] == "al"]
-    assert alpaca[1]["messages"][0]["content"] == "Name a color.\n\nOne word."
-    assert kept[0]["messages"][0] == {"role": "system", "content": "Be brief.", "reasoning_content": None}
+    kept = _rows(tmp_path / "a", m)
+    alpaca = {r["messages"][0]["content"] for r in kept if r["source"] == "al"}
+    assert "Name a color.\n\nOne word." in alpaca
+    first = next(r for r in kept if r["messages"][0]["role"] == "system")
+    assert first["messages"][0] == {"role": "system", "content": "Be brief.", "reasoning_content": None}
+    assert m["extra"]["sources"]["sg"]["read"] == 8 and m["extra"]["sources"]["sg"]["dropped"]["duplicate"] == 1
+    assert not (tmp_path / "a" / "curate" / "fp" / "parts").exists()  # partials removed after the manifest
 
 
 def test_run_is_deterministic_split_and_sharded(tmp_path):
@@ -69,9 +84,10 @@ def test_run_is_deterministic_split_and_sharded(tmp_path):
 
 def test_sample_ids_are_stable_and_carried(tmp_path):
     ccfg = _write_sources(tmp_path)
-    a, *_ = curate.collect(ccfg)
-    b, *_ = curate.collect(ccfg)
-    assert [r["sample_id"] for r in a] == [r["sample_id"] for r in b]
+    a = _rows(tmp_path / "a", _run(ccfg, tmp_path / "a"))
+    b = _rows(tmp_path / "b", _run(ccfg.model_copy(update={"seed": 5}), tmp_path / "b"))
+    assert sorted(r["sample_id"] for r in a) == sorted(r["sample_id"] for r in b)  # ids do not depend on the seed
+    assert [r["sample_id"] for r in a] != [r["sample_id"] for r in b]  # the order does
 
 
 def test_missing_source_fails_at_start_with_its_path(tmp_path):

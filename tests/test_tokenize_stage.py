@@ -59,11 +59,19 @@ def test_every_conversation_is_accounted_for_with_a_reason():
     assert sum(res["freq"].values()) == sum(sum(r["loss_mask"]) for r in res["rows"])
 
 
-@pytest.mark.parametrize("policy, rows_per_conversation", [("last_turn", 1), ("per_turn", 3), ("all_turns", 1)])
+@pytest.mark.parametrize("policy, rows_per_conversation", [("last_turn", 1), ("per_turn", 3), ("auto", 3)])
 def test_policies_shape_the_rows(policy, rows_per_conversation):
     tcfg = TokenizeConfig(max_length=4096, policy=policy, min_supervised_tokens=1)
     res = encode_rows([_row(0, _chat(3))], QWEN3, tcfg, 1)
     assert len(res["rows"]) == rows_per_conversation
+
+
+def test_all_turns_on_a_template_that_rewrites_history_is_a_counted_reason():
+    # Qwen3 renders the last assistant turn with an (empty) think block, earlier ones without:
+    # the history is rewritten, so one row cannot supervise every turn as it was generated.
+    tcfg = TokenizeConfig(max_length=4096, policy="all_turns", min_supervised_tokens=1)
+    res = encode_rows([_row(0, _chat(3))], QWEN3, tcfg, 1)
+    assert res["rows"] == [] and res["dropped"] == {"not_prefix_stable": 1}
 
 
 def test_worker_processes_give_the_same_rows_as_one_process():

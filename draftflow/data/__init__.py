@@ -1,1 +1,7 @@
-"""Data formats and curation: the canonical conversation schema, source readers, adapters."""
+"""Data formats and curation: schema, readers, adapters, filters, dedup, mixture, stats.
+
+schema.py (Arrow shapes, stable ids) · readers.py (files, S3, Hugging Face; streaming)
+· sources.py (format adapters) · filters.py (drop reasons) · dedup.py (exact and
+MinHash near-dup on digests) · mixture.py (quotas, shuffle, split) · stats.py
+(per-source figures, PNG) · scan.py (one part: read -> convert -> filter -> partial).
+"""

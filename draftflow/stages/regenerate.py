@@ -107,7 +107,7 @@ def output_row(d: Dialog, provenance: str, enable_thinking: bool) -> dict[str, A
     cut = any(g["finish_reason"] == "length" for g in d.generated)
     return {
         "sample_id": d.row["sample_id"], "source": d.row["source"], "split": d.row["split"],
-        "messages": d.history, "generated": d.generated, "provenance": provenance,
+        "messages": d.history, "tools": d.row.get("tools"), "generated": d.generated, "provenance": provenance,
         "enable_thinking": enable_thinking, "finish_reason": "length" if cut else "stop",
     }
 

@@ -54,14 +54,8 @@ def truncate(ids: list[int], mask: list[int], max_length: int, minimum: int) -> 
     return ids, mask, None
 
 
-def encode_conversation(row: dict, chat, tcfg: TokenizeConfig, minimum: int) -> tuple[list[dict], Counter, str, str]:
-    """Rows of one conversation, the sequences dropped by reason, and (reason, detail) if none is left."""
-    completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
-    try:
-        encoded = chat.encode(row["messages"], completions, None, policy=tcfg.policy,
-                              enable_thinking=bool(row.get("enable_thinking")))
-    except ConversationError as exc:
-        return [], Counter(), getattr(exc, "reason", "conversation_error"), str(exc)
+def _keep_rows(row: dict, encoded: list, tcfg: TokenizeConfig, minimum: int) -> tuple[list[dict], Counter]:
+    """Truncate a conversation's rows; return those kept and the drops by reason."""
     out, drops = [], Counter()
     for enc in encoded:
         ids, mask, why = truncate(enc.input_ids, enc.loss_mask, tcfg.max_length, minimum)
@@ -70,10 +64,14 @@ def encode_conversation(row: dict, chat, tcfg: TokenizeConfig, minimum: int) -> 
             continue
         out.append({"sample_id": row["sample_id"], "row": len(out), "turns": enc.turns,
                     "input_ids": ids, "loss_mask": mask})
-    if out:
-        return out, drops, "", ""
-    reason = drops.most_common(1)[0][0] if drops else "no_supervised_tokens"
-    return [], drops, reason, f"no row kept ({dict(drops) or 'nothing supervised'})"
+    return out, drops
+
+
+def _request(row: dict):
+    from draftflow.chat import EncodeRequest
+
+    completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
+    return EncodeRequest(row["messages"], completions, {"enable_thinking": bool(row.get("enable_thinking"))})
 
 
 @lru_cache(maxsize=2)
@@ -84,18 +82,28 @@ def _chat(target_path: str):
 
 
 def encode_rows(rows: list[dict], target_path: str, tcfg: TokenizeConfig, minimum: int) -> dict[str, Any]:
-    """Encode conversations in this process; return rows, rejects and counts."""
+    """Encode conversations in this process (all texts of the batch tokenized in one call).
+
+    Returns:
+        rows, rejects, dropped (conversations by reason), seq_drops (sequences by reason), freq.
+    """
     chat = _chat(target_path)
     out, rejects, dropped, seq_drops, freq = [], [], Counter(), Counter(), Counter()
-    for row in rows:
-        encoded, drops, reason, detail = encode_conversation(row, chat, tcfg, minimum)
-        seq_drops.update(drops)
+    results = chat.encode_many([_request(r) for r in rows], None, tcfg.policy)
+    for row, result in zip(rows, results):
+        if isinstance(result, ConversationError):
+            reason, detail, kept = getattr(result, "reason", "conversation_error"), str(result), []
+        else:
+            kept, drops = _keep_rows(row, result, tcfg, minimum)
+            seq_drops.update(drops)
+            reason = "" if kept else (drops.most_common(1)[0][0] if drops else "no_supervised_tokens")
+            detail = f"no row kept ({dict(drops) or 'nothing supervised'})"
         if reason:
             dropped[reason] += 1
             rejects.append(reject(row["source"], reason, detail, row["sample_id"]))
-        for r in encoded:
+        for r in kept:
             freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
-        out += encoded
+        out += kept
     return {"rows": out, "rejects": rejects, "dropped": dropped, "seq_drops": seq_drops, "freq": freq}
 
 
