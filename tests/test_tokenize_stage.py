@@ -80,3 +80,30 @@ def test_worker_processes_give_the_same_rows_as_one_process():
     one = encode_rows(rows, QWEN3, tcfg, 1)
     two = encode_parallel(rows, QWEN3, tcfg.model_copy(update={"num_workers": 2}), 1)
     assert two["rows"] == one["rows"] and two["freq"] == one["freq"]
+
+
+def test_tools_reach_the_template_and_tool_calls_are_supervised_not_results():
+    import json
+
+    from transformers import AutoTokenizer
+
+    params = {"type": "object", "properties": {"city": {"type": "string"}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                               "parameters": params}}]
+    msgs = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "SUNNY_21C"},
+        {"role": "assistant", "content": "It is sunny and 21 degrees in Paris."},
+    ]
+    tcfg = TokenizeConfig(max_length=4096, policy="per_turn", min_supervised_tokens=1)
+    res = encode_rows([_row(0, msgs, tools=json.dumps(tools))], QWEN3, tcfg, 1)
+    assert len(res["rows"]) == 2, res["rejects"]
+    tok = AutoTokenizer.from_pretrained(QWEN3)
+    first, second = res["rows"]
+    prompt = tok.decode([t for t, m in zip(first["input_ids"], first["loss_mask"]) if not m])
+    supervised = [tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in res["rows"]]
+    assert "get_weather" in prompt and "Weather for a city" in prompt  # the schema was rendered
+    assert "<tool_call>" in supervised[0] and '"Paris"' in supervised[0]
+    assert "SUNNY_21C" not in supervised[1] and "sunny and 21 degrees" in supervised[1]

@@ -113,3 +113,20 @@ def read_rows(path: str) -> list[dict[str, Any]]:
         if r.get("messages"):
             r["messages"] = from_stored(r["messages"])
     return rows
+
+
+def row_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The conversation's tool schemas (stored as a JSON string), for the chat template."""
+    raw = row.get("tools")
+    if not raw:
+        return None
+    return json.loads(raw) if isinstance(raw, str) else raw
+
+
+def template_kwargs(row: dict[str, Any], enable_thinking: bool) -> dict[str, Any]:
+    """Template variables for rendering this conversation: thinking mode and its tools."""
+    kw: dict[str, Any] = {"enable_thinking": enable_thinking}
+    tools = row_tools(row)
+    if tools:
+        kw["tools"] = tools
+    return kw

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.data.schema import read_rows
+from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.errors import ConfigError
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.extract import DTYPES
@@ -42,7 +42,7 @@ def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: b
         rows += read_rows(store.verify_sha("curate", curated["fingerprint"], shard))
     if not rows:
         raise ConfigError("no eval prompts: set curate.eval_fraction above 0 so curate keeps an eval split")
-    return [chat.prompt_ids(first_prompt(r["messages"]), enable_thinking=enable_thinking) for r in rows]
+    return [chat.prompt_ids(first_prompt(r["messages"]), **template_kwargs(r, enable_thinking)) for r in rows]
 
 
 def load_drafter(store: Store, trained: dict[str, Any], model):

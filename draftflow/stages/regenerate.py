@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.data.schema import REGENERATED, message, read_rows
+from draftflow.data.schema import REGENERATED, message, read_rows, template_kwargs
 from draftflow.engines import Completion, Engine, SamplingParams, make_engine
 from draftflow.errors import ConversationError
 from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
@@ -68,7 +68,7 @@ def _next_prompts(dialogs: list[Dialog], chat, enable_thinking: bool) -> list[tu
     out = []
     for d in dialogs:
         d.history.extend(d.pending.pop(0))
-        out.append((d, chat.prompt_ids(d.history, enable_thinking=enable_thinking)))
+        out.append((d, chat.prompt_ids(d.history, **template_kwargs(d.row, enable_thinking))))
     return out
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from draftflow.config import RunConfig, TokenizeConfig
-from draftflow.data.schema import TOKENIZED, read_rows, write_rows
+from draftflow.data.schema import TOKENIZED, read_rows, template_kwargs, write_rows
 from draftflow.errors import ConversationError
 from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store, shard_entry
@@ -71,7 +71,7 @@ def _request(row: dict):
     from draftflow.chat import EncodeRequest
 
     completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
-    return EncodeRequest(row["messages"], completions, {"enable_thinking": bool(row.get("enable_thinking"))})
+    return EncodeRequest(row["messages"], completions, template_kwargs(row, bool(row.get("enable_thinking"))))
 
 
 @lru_cache(maxsize=2)
