@@ -91,3 +91,20 @@ def test_extract_matches_hf_hidden_states_at_l_plus_1(tiny_cfg, tiny_target):
         torch.testing.assert_close(sample.hidden[:, i], ref[layer + 1][0], atol=1e-4, rtol=1e-4)
         assert not torch.allclose(sample.hidden[:, i], ref[layer][0], atol=1e-3)  # off by one differs
     assert sample.input_ids.tolist() == toks[0]["input_ids"]
+
+
+def test_tool_conversations_are_cut_before_the_first_tool_result(tiny_target):
+    from draftflow.stages.regenerate import regenerate_rows
+
+    row = {"sample_id": "t1", "source": "s", "split": "train", "messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3C"},
+        {"role": "assistant", "content": "Cold."}]}
+    assert plan_dialog(row).cut_at_tool_result and len(plan_dialog(row).pending) == 1
+    engine = HFEngine.load(tiny_target.path)
+    dialogs, rejects, dropped = regenerate_rows([row], engine, ChatFormat(engine.tokenizer),
+                                                SamplingParams(max_new_tokens=4), 4, False)
+    assert not rejects and len(dialogs) == 1
+    assert [m["role"] for m in dialogs[0].history] == ["user", "assistant"]

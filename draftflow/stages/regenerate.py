@@ -36,16 +36,24 @@ class Dialog:
     pending: list[list[dict]]  # groups of non-assistant messages, each followed by a reply
     history: list[dict] = field(default_factory=list)
     generated: list[dict] = field(default_factory=list)
+    cut_at_tool_result: bool = False
 
 
 def plan_dialog(row: dict[str, Any]) -> Dialog:
     """Split the source into groups of prompt messages, each answered by one generated turn.
 
     A reply goes wherever the source had an assistant turn, and after the last
-    message when the source ends on a user (or tool) message.
+    message when the source ends on a user message. The conversation is cut
+    before its first tool result: the regenerated turn may call a different tool
+    (or none), so the source's result would no longer answer it. Executing tools
+    or matching regenerated calls to source calls is later work.
     """
     groups: list[list[dict]] = [[]]
+    cut = False
     for m in row["messages"]:
+        if m["role"] == "tool":
+            cut = True
+            break
         if m["role"] == "assistant":
             if groups[-1]:
                 groups.append([])
@@ -53,7 +61,7 @@ def plan_dialog(row: dict[str, Any]) -> Dialog:
             groups[-1].append(message(m["role"], m["content"], m.get("reasoning_content")))
     if not groups[-1]:
         groups.pop()
-    return Dialog(row=row, pending=groups)
+    return Dialog(row=row, pending=groups, cut_at_tool_result=cut)
 
 
 def split_reasoning(text: str) -> tuple[str | None, str]:
@@ -64,12 +72,17 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
     return reasoning.replace("<think>", "").strip() or None, content.lstrip("\n")
 
 
-def _next_prompts(dialogs: list[Dialog], chat, enable_thinking: bool) -> list[tuple[Dialog, list[int]]]:
-    out = []
+def _next_prompts(dialogs: list[Dialog], chat, enable_thinking: bool) -> tuple[list, list[tuple]]:
+    """Serving prompts for each dialog's next turn, and the dialogs whose history cannot render."""
+    out, failed = [], []
     for d in dialogs:
         d.history.extend(d.pending.pop(0))
-        out.append((d, chat.prompt_ids(d.history, **template_kwargs(d.row, enable_thinking))))
-    return out
+        try:
+            out.append((d, chat.prompt_ids(d.history, **template_kwargs(d.row, enable_thinking))))
+        except ConversationError as exc:
+            d.pending.clear()
+            failed.append((d, exc))
+    return out, failed
 
 
 def _apply(d: Dialog, c: Completion, tokenizer, eos_ids: set[int]) -> None:
@@ -90,12 +103,17 @@ def regenerate_rows(rows: list[dict], engine: Engine, chat, params: SamplingPara
         try:
             chat.validate(row["messages"])
         except ConversationError as exc:
-            dropped["conversation_error"] += 1
-            rejects.append(reject(row["source"], "conversation_error", str(exc), row))
+            dropped[exc.reason] += 1
+            rejects.append(reject(row["source"], exc.reason, str(exc), row))
             continue
         dialogs.append(plan_dialog(row))
     while active := [d for d in dialogs if d.pending]:
-        prompts = sorted(_next_prompts(active, chat, enable_thinking), key=lambda dp: len(dp[1]))
+        ready, failed = _next_prompts(active, chat, enable_thinking)
+        for d, exc in failed:
+            dialogs.remove(d)
+            dropped[exc.reason] += 1
+            rejects.append(reject(d.row["source"], exc.reason, str(exc), d.row))
+        prompts = sorted(ready, key=lambda dp: len(dp[1]))
         for i in range(0, len(prompts), batch_size):
             batch = prompts[i:i + batch_size]
             for (d, _), c in zip(batch, engine.generate([p for _, p in batch], params)):
@@ -129,7 +147,9 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, curate_f
     out = [output_row(d, provenance, rcfg.enable_thinking) for d in dialogs]
     tokens = sum(g["completion_tokens"] for d in dialogs for g in d.generated)
     lengths = Counter(r["finish_reason"] for r in out)
+    cut = sum(d.cut_at_tool_result for d in dialogs)
     entry = write_parquet(store, STAGE, fp, shard["name"], out, REGENERATED, tokens=tokens, split=shard["split"])
     rejected = write_rejects(store, STAGE, fp, shard["name"], rejects)
     log.info("regenerated %s: %d conversations, %d tokens, finish %s", shard["name"], len(out), tokens, dict(lengths))
-    return shard_result(entry, rejected, len(rows), len(out), dropped, finish_reasons=dict(lengths))
+    return shard_result(entry, rejected, len(rows), len(out), dropped, finish_reasons=dict(lengths),
+                        cut_before_tool_result=cut)
