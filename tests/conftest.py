@@ -67,3 +67,38 @@ def prefect_harness():
     with prefect_test_harness(server_startup_timeout=180):
         with temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
             yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random Qwen3 target built in code (6 layers, hidden 64, vocab 320)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """A real S3-compatible server (moto) on 127.0.0.1; yields its endpoint with the env set for s3fs."""
+    moto_server = pytest.importorskip("moto.server")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield env["AWS_ENDPOINT_URL"]
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    s3fs.S3FileSystem.clear_instance_cache()
+    server.stop()

@@ -2,36 +2,22 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-moto_server = pytest.importorskip("moto.server")
 FIX = Path(__file__).parent / "fixtures" / "sources"
 
 
 @pytest.fixture(scope="module")
-def bucket():
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def bucket(s3_env):
     import s3fs
 
-    s3fs.S3FileSystem.clear_instance_cache()
     fs = s3fs.S3FileSystem()
     fs.mkdir("curate-test")
     for name in ("sharegpt.jsonl", "magicoder.jsonl.gz", "prompts.jsonl.zst", "openorca.parquet"):
         fs.put_file(str(FIX / name), f"curate-test/src/{name}")
-    yield "s3://curate-test"
-    for k, v in old.items():
-        os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
+    return "s3://curate-test"
 
 
 def test_curate_reads_s3_sources_and_writes_s3_shards(bucket):

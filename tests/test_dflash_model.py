@@ -12,7 +12,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from draftflow.config import DrafterConfig
@@ -26,31 +25,6 @@ from draftflow.models.dflash import (
 )
 
 MASK_ID = 300
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread; on a busy 2-core box more threads thrash (60x)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def target():
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
-    return Qwen3ForCausalLM(cfg).eval()
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-moto_server = pytest.importorskip("moto.server")
-
 
 @pytest.fixture(scope="module")
-def s3_root(tmp_path_factory):
-    import os
-
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+def s3_root(s3_env):
     import s3fs
 
-    s3fs.S3FileSystem.clear_instance_cache()
     s3fs.S3FileSystem().mkdir("draftflow-test")
-    yield "s3://draftflow-test/runs/one"
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+    return "s3://draftflow-test/runs/one"
 
 
 def test_atomic_write_manifest_and_checksum_on_s3(s3_root):
