@@ -97,15 +97,39 @@ class CurateConfig(Section):
     total_rows: int | None = Field(None, ge=1, description="mixture size shared by weighted sources")
 
 
+class OpenAIEngineConfig(Section):
+    """OpenAI-compatible chat endpoints (`vllm serve`, SGLang, any)."""
+
+    endpoints: list[str] = Field(default_factory=list, description="base URLs, e.g. http://host:8000/v1")
+    model: str | None = Field(None, description="served model name; null = the target path")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the key, if any")
+    max_concurrency: int = Field(32, ge=1, description="requests in flight across all endpoints")
+    timeout_s: float = Field(600.0, gt=0.0)
+    max_retries: int = Field(5, ge=0, description="retries on 5xx, timeouts and connection errors")
+
+
+class VLLMEngineConfig(Section):
+    """vLLM offline engine on a GPU worker (`pip install .[vllm]`)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    max_model_len: int | None = Field(None, ge=16)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+
+
 class RegenerateConfig(Section):
-    engine: Literal["hf"] = "hf"
-    max_new_tokens: int = Field(512, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    engine: Literal["hf", "vllm", "openai"] = "hf"
+    max_new_tokens: int = Field(512, ge=1, description="per assistant turn")
+    temperature: float | None = Field(None, ge=0.0, description="null = the target's generation_config.json")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="null = generation_config.json")
+    top_k: int | None = Field(None, ge=0, description="null = generation_config.json")
     batch_size: int = Field(16, ge=1)
-    enable_thinking: bool = False
+    enable_thinking: bool | float = Field(
+        False, description="true / false, or the fraction of conversations (0..1) generated with thinking on")
+    length_policy: Literal["drop", "keep"] = Field("drop", description="rows with a turn cut by max_new_tokens")
+    checkpoint_every: int = Field(64, ge=1, description="conversations between in-shard checkpoints")
     seed: int = 0
+    openai: OpenAIEngineConfig = OpenAIEngineConfig()
+    vllm: VLLMEngineConfig = VLLMEngineConfig()
 
 
 class TokenizeConfig(Section):
@@ -194,7 +218,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 }
 # Fields that choose where or how often work happens, never its result: changing them
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
-NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers"}
+NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",
+                     "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

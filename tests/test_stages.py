@@ -4,12 +4,12 @@ import torch
 
 from draftflow.chat import ChatFormat
 from draftflow.data.schema import read_rows
+from draftflow.dialogs import plan_dialog, split_reasoning
 from draftflow.engines import SamplingParams
 from draftflow.engines.hf import HFEngine
 from draftflow.features import FeatureShard
 from draftflow.stages import curate, extract, regenerate, tokenize
 from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.stages.regenerate import plan_dialog, split_reasoning
 from draftflow.store import Store
 
 
@@ -18,7 +18,7 @@ def test_plan_dialog_regenerates_every_assistant_turn_in_place():
         {"role": "system", "content": "s"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
         {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}, {"role": "user", "content": "u3"}]}
     d = plan_dialog(row)
-    assert [[m["content"] for m in g] for g in d.pending] == [["s", "u1"], ["u2"], ["u3"]]
+    assert [[m["content"] for m in g] for g in d.groups] == [["s", "u1"], ["u2"], ["u3"]]
     assert split_reasoning("<think>\nhmm\n</think>\n\nYes") == ("hmm", "Yes")
     assert split_reasoning("Yes") == (None, "Yes")
 
@@ -29,8 +29,8 @@ def test_batched_generation_equals_one_by_one(tiny_target):
     prompts = [chat.prompt_ids([{"role": "user", "content": q}], enable_thinking=False)
                for q in ("Hi", "What is the capital of France?", "Name three primary colors, please.")]
     params = SamplingParams(max_new_tokens=12)
-    batched = engine.generate(prompts, params)
-    single = [engine.generate([p], params)[0] for p in prompts]
+    batched = engine.generate_ids(prompts, params)
+    single = [engine.generate_ids([p], params)[0] for p in prompts]
     assert [c.ids for c in batched] == [c.ids for c in single]
     assert all(c.finish_reason in ("stop", "length") and c.ids for c in batched)
     assert all(t < len(engine.tokenizer) for c in batched for t in c.ids)
@@ -91,20 +91,3 @@ def test_extract_matches_hf_hidden_states_at_l_plus_1(tiny_cfg, tiny_target):
         torch.testing.assert_close(sample.hidden[:, i], ref[layer + 1][0], atol=1e-4, rtol=1e-4)
         assert not torch.allclose(sample.hidden[:, i], ref[layer][0], atol=1e-3)  # off by one differs
     assert sample.input_ids.tolist() == toks[0]["input_ids"]
-
-
-def test_tool_conversations_are_cut_before_the_first_tool_result(tiny_target):
-    from draftflow.stages.regenerate import regenerate_rows
-
-    row = {"sample_id": "t1", "source": "s", "split": "train", "messages": [
-        {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
-        {"role": "tool", "content": "-3C"},
-        {"role": "assistant", "content": "Cold."}]}
-    assert plan_dialog(row).cut_at_tool_result and len(plan_dialog(row).pending) == 1
-    engine = HFEngine.load(tiny_target.path)
-    dialogs, rejects, dropped = regenerate_rows([row], engine, ChatFormat(engine.tokenizer),
-                                                SamplingParams(max_new_tokens=4), 4, False)
-    assert not rejects and len(dialogs) == 1
-    assert [m["role"] for m in dialogs[0].history] == ["user", "assistant"]

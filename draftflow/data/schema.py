@@ -108,7 +108,12 @@ def write_rows(path: str, rows: list[dict[str, Any]], schema: pa.Schema) -> None
 
 def read_rows(path: str) -> list[dict[str, Any]]:
     """Read a parquet file as rows; conversation messages come back in their in-memory shape."""
-    rows = pq.read_table(path).to_pylist()
+    return rows_from_table(pq.read_table(path))
+
+
+def rows_from_table(table: pa.Table) -> list[dict[str, Any]]:
+    """A table's rows, with conversation messages in their in-memory shape."""
+    rows = table.to_pylist()
     for r in rows:
         if r.get("messages"):
             r["messages"] = from_stored(r["messages"])

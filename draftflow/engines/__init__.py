@@ -1,20 +1,27 @@
 """Generation engines behind one interface (`Engine.generate`).
 
-`hf` (transformers) runs anywhere; later engines (vLLM offline, OpenAI-compatible
-HTTP) import their heavy dependencies lazily inside their own module.
+`hf` (transformers) runs anywhere; `vllm` (offline, GPU) and `openai`
+(OpenAI-compatible HTTP endpoints) import their dependencies lazily inside
+their own modules, so CPU machines never need them.
 """
 
-from draftflow.engines.base import Completion, Engine, SamplingParams
+from __future__ import annotations
 
-__all__ = ["Completion", "Engine", "SamplingParams", "make_engine"]
+from draftflow.engines.base import Completion, Engine, GenRequest, SamplingParams
+
+__all__ = ["Completion", "Engine", "GenRequest", "SamplingParams", "make_engine"]
 
 
-def make_engine(name: str, model_path: str, dtype: str, device: str) -> Engine:
-    """Build the engine named in `regenerate.engine`."""
-    if name == "hf":
+def make_engine(rcfg, target_path: str, dtype: str, device: str, revision: str | None = None) -> Engine:
+    """Build the engine named in `regenerate.engine` for the target at `target_path`."""
+    if rcfg.engine == "hf":
         from draftflow.engines.hf import HFEngine
 
-        return HFEngine.load(model_path, dtype=dtype, device=device)
-    from draftflow.errors import ConfigError
+        return HFEngine.load(target_path, dtype=dtype, device=device)
+    if rcfg.engine == "vllm":
+        from draftflow.engines.vllm import VLLMEngine
 
-    raise ConfigError(f"regenerate.engine '{name}' is not available; use 'hf'")
+        return VLLMEngine.load(target_path, rcfg.vllm, dtype=dtype, revision=revision)
+    from draftflow.engines.openai import OpenAIEngine
+
+    return OpenAIEngine(rcfg.openai, rcfg.openai.model or target_path)

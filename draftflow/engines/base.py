@@ -1,14 +1,18 @@
-"""The engine interface: token ids in, completions (ids + finish reason) out.
+"""The engine interface: conversations in, completions (ids and/or text) out.
 
-Engines take prompts as token ids (rendered by `ChatFormat.prompt_ids`, the
-same ids a server computes) and return the generated ids, so the tokenize
-stage can supervise exactly the tokens the target produced.
+Every request carries both forms of its prompt: the messages with their
+template variables (what an OpenAI-compatible chat endpoint takes; the server
+applies the same chat template) and the serving prompt ids (what offline
+engines take, rendered by `ChatFormat.prompt_ids`). An engine that returns
+token ids lets the tokenize stage supervise exactly what the target produced;
+a text-only engine (HTTP chat) leaves `ids=None` and tokenize derives them
+from the template.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Protocol
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -23,17 +27,31 @@ class SamplingParams:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class GenRequest:
+    messages: list[dict[str, Any]]
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking, tools
+    prompt_ids: list[int] = field(default_factory=list)
+
+
 @dataclass
 class Completion:
-    ids: list[int]  # generated ids, including the end-of-turn token when it was produced
-    finish_reason: str  # "stop" (end-of-turn produced) or "length" (max_new_tokens reached)
+    ids: list[int] | None  # generated ids incl. the end-of-turn token when produced; None if text-only
+    text: str  # the completion's text without the end-of-turn token
+    finish_reason: str  # "stop" (end of turn) or "length" (max_new_tokens reached)
     prompt_tokens: int
+    completion_tokens: int = 0
+    reasoning: str | None = None  # set when the engine (or a server-side parser) separated it
 
 
 class Engine(Protocol):
     name: str
     model_id: str
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """One completion per prompt, in order."""
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        """One completion per request, in order."""
+        ...
+
+    def close(self) -> None:
+        """Release connections / GPU memory."""
         ...

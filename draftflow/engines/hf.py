@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from draftflow.engines.base import Completion, SamplingParams
+from draftflow.engines.base import Completion, GenRequest, SamplingParams
 from draftflow.target import eos_token_ids, load_target, model_lock
 
 
@@ -30,9 +30,16 @@ class HFEngine:
         model, tokenizer = load_target(path, dtype, device)
         return cls(model, tokenizer, path)
 
+    def close(self) -> None:
+        """Nothing to release: the model stays in the process-wide cache."""
+
+    def generate(self, requests: list[GenRequest], params: SamplingParams) -> list[Completion]:
+        """Generate for a batch of requests from their serving prompt ids."""
+        return self.generate_ids([r.prompt_ids for r in requests], params)
+
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Generate for a batch of prompts (left-padded to a common length)."""
+    def generate_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Generate for a batch of prompt ids (left-padded to a common length)."""
         width = max(len(p) for p in prompts)
         device = self.model.device
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -60,5 +67,10 @@ class HFEngine:
     def _completion(self, new: list[int], prompt_tokens: int) -> Completion:
         for j, tok in enumerate(new):
             if tok in self.eos_ids:
-                return Completion(new[: j + 1], "stop", prompt_tokens)
-        return Completion(new, "length", prompt_tokens)
+                ids, reason = new[: j + 1], "stop"
+                break
+        else:
+            ids, reason = new, "length"
+        body = ids[:-1] if reason == "stop" else ids
+        text = self.tokenizer.decode(body, skip_special_tokens=False)
+        return Completion(ids, text, reason, prompt_tokens, completion_tokens=len(ids))

@@ -1,11 +1,17 @@
 """Regenerate: the target answers every prompt itself.
 
 The source's assistant turns are dropped and each one is generated again, in
-order, conditioned on the regenerated history (the drafter must learn the
-target's distribution, not the dataset's). Generation is batched across
-conversations turn by turn. The generated token ids are kept per turn so the
-tokenize stage supervises exactly what the target produced; provenance
-(engine, model, target fingerprint, sampling) is recorded on every row.
+order, conditioned on the regenerated history (`draftflow.dialogs`): the
+drafter must learn the target's distribution, not the dataset's. Generation is
+batched across conversations turn by turn. Engines that return token ids (hf,
+vllm) have them kept per turn, so tokenize supervises exactly what the target
+produced. Every row records its provenance (engine, model, revision or target
+fingerprint, sampling, `enable_thinking`, finish reason, token counts).
+
+Resume: a shard is worked in chunks of `checkpoint_every` conversations; after
+each chunk the finished rows and rejects are committed to `partial/<shard>`,
+so a crash redoes at most one chunk. Output rows are keyed by sample id and
+written in input order, whatever order they finished in.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
-from draftflow.config import RunConfig
-from draftflow.data.schema import REGENERATED, message, read_rows, template_kwargs
-from draftflow.engines import Completion, Engine, SamplingParams, make_engine
+import pyarrow.parquet as pq
+
+from draftflow.config import RegenerateConfig, RunConfig
+from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_table, template_kwargs, write_rows
+from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
+from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.errors import ConversationError
 from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store
@@ -28,128 +36,173 @@ log = logging.getLogger(__name__)
 STAGE = "regenerate"
 
 
-@dataclass
-class Dialog:
-    """One conversation being regenerated: source turns still to feed, history so far."""
+def sampling_params(rcfg: RegenerateConfig, target_path: str) -> SamplingParams:
+    """Sampling from the config, defaults from the target's `generation_config.json`."""
+    from transformers import GenerationConfig
 
-    row: dict[str, Any]
-    pending: list[list[dict]]  # groups of non-assistant messages, each followed by a reply
-    history: list[dict] = field(default_factory=list)
-    generated: list[dict] = field(default_factory=list)
-    cut_at_tool_result: bool = False
-
-
-def plan_dialog(row: dict[str, Any]) -> Dialog:
-    """Split the source into groups of prompt messages, each answered by one generated turn.
-
-    A reply goes wherever the source had an assistant turn, and after the last
-    message when the source ends on a user message. The conversation is cut
-    before its first tool result: the regenerated turn may call a different tool
-    (or none), so the source's result would no longer answer it. Executing tools
-    or matching regenerated calls to source calls is later work.
-    """
-    groups: list[list[dict]] = [[]]
-    cut = False
-    for m in row["messages"]:
-        if m["role"] == "tool":
-            cut = True
-            break
-        if m["role"] == "assistant":
-            if groups[-1]:
-                groups.append([])
-        else:
-            groups[-1].append(message(m["role"], m["content"], m.get("reasoning_content")))
-    if not groups[-1]:
-        groups.pop()
-    return Dialog(row=row, pending=groups, cut_at_tool_result=cut)
+    try:
+        gen = GenerationConfig.from_pretrained(target_path)
+    except OSError:
+        gen = GenerationConfig()
+    sampled = bool(gen.do_sample)
+    temperature = rcfg.temperature if rcfg.temperature is not None else (gen.temperature if sampled else 0.0)
+    top_p = rcfg.top_p if rcfg.top_p is not None else (gen.top_p if sampled and gen.top_p else 1.0)
+    top_k = rcfg.top_k if rcfg.top_k is not None else (gen.top_k if sampled and gen.top_k else 0)
+    return SamplingParams(rcfg.max_new_tokens, float(temperature or 0.0), float(top_p), int(top_k), rcfg.seed)
 
 
-def split_reasoning(text: str) -> tuple[str | None, str]:
-    """Separate `<think>…</think>` reasoning from the answer text."""
-    if "</think>" not in text:
-        return None, text
-    reasoning, content = text.split("</think>", 1)
-    return reasoning.replace("<think>", "").strip() or None, content.lstrip("\n")
+def context_limit(cfg: RunConfig, target_path: str) -> int | None:
+    """Longest prompt + completion the target accepts (None when unknown)."""
+    from transformers import AutoConfig
+
+    if cfg.regenerate.engine == "vllm" and cfg.regenerate.vllm.max_model_len:
+        return cfg.regenerate.vllm.max_model_len
+    try:
+        return getattr(AutoConfig.from_pretrained(target_path), "max_position_embeddings", None)
+    except (OSError, ValueError):
+        return None
 
 
-def _next_prompts(dialogs: list[Dialog], chat, enable_thinking: bool) -> tuple[list, list[tuple]]:
-    """Serving prompts for each dialog's next turn, and the dialogs whose history cannot render."""
-    out, failed = [], []
-    for d in dialogs:
-        d.history.extend(d.pending.pop(0))
-        try:
-            out.append((d, chat.prompt_ids(d.history, **template_kwargs(d.row, enable_thinking))))
-        except ConversationError as exc:
-            d.pending.clear()
-            failed.append((d, exc))
-    return out, failed
-
-
-def _apply(d: Dialog, c: Completion, tokenizer, eos_ids: set[int]) -> None:
-    body = c.ids[:-1] if c.ids and c.ids[-1] in eos_ids else c.ids
-    reasoning, content = split_reasoning(tokenizer.decode(body, skip_special_tokens=False))
-    d.generated.append({
-        "turn": len(d.history), "ids": c.ids, "finish_reason": c.finish_reason,
-        "prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.ids),
-    })
-    d.history.append(message("assistant", content, reasoning))
-
-
-def regenerate_rows(rows: list[dict], engine: Engine, chat, params: SamplingParams, batch_size: int,
-                    enable_thinking: bool) -> tuple[list[Dialog], list[dict], Counter]:
-    """Regenerate every assistant turn of `rows`; invalid conversations are rejected."""
-    dialogs, rejects, dropped = [], [], Counter()
-    for row in rows:
-        try:
-            chat.validate(row["messages"])
-        except ConversationError as exc:
-            dropped[exc.reason] += 1
-            rejects.append(reject(row["source"], exc.reason, str(exc), row))
+def _requests(active: list[Dialog], chat, limit: int | None) -> list[tuple[Dialog, GenRequest]]:
+    """Feed each dialog its next messages and render the serving prompt; mark failures."""
+    out = []
+    for d in active:
+        group = next_group(d)
+        if group is None:
             continue
-        dialogs.append(plan_dialog(row))
-    while active := [d for d in dialogs if d.pending]:
-        ready, failed = _next_prompts(active, chat, enable_thinking)
-        for d, exc in failed:
-            dialogs.remove(d)
-            dropped[exc.reason] += 1
-            rejects.append(reject(d.row["source"], exc.reason, str(exc), d.row))
-        prompts = sorted(ready, key=lambda dp: len(dp[1]))
-        for i in range(0, len(prompts), batch_size):
-            batch = prompts[i:i + batch_size]
-            for (d, _), c in zip(batch, engine.generate([p for _, p in batch], params)):
-                _apply(d, c, engine.tokenizer, engine.eos_ids)
-    return dialogs, rejects, dropped
+        d.history.extend(group)
+        kw = template_kwargs(d.row, d.thinking)
+        try:
+            ids = chat.prompt_ids(d.history, **kw)
+        except ConversationError as exc:
+            d.failed = (exc.reason, str(exc))
+            continue
+        if limit is not None and len(ids) >= limit:
+            d.failed = ("prompt_too_long", f"prompt of {len(ids)} tokens, the target's context is {limit}")
+            continue
+        out.append((d, GenRequest([dict(m) for m in d.history], kw, ids)))
+    return out
 
 
-def output_row(d: Dialog, provenance: str, enable_thinking: bool) -> dict[str, Any]:
+def regenerate_dialogs(dialogs: list[Dialog], engine, chat, params: SamplingParams, batch_size: int,
+                       limit: int | None) -> None:
+    """Generate every reply of every dialog, round by round (turn k of all dialogs together)."""
+    while active := [d for d in dialogs if d.has_next()]:
+        ready = sorted(_requests(active, chat, limit), key=lambda dr: len(dr[1].prompt_ids))
+        for i in range(0, len(ready), batch_size):
+            batch = ready[i:i + batch_size]
+            for (d, _), c in zip(batch, engine.generate([r for _, r in batch], params)):
+                apply_completion(d, c)
+
+
+def output_row(d: Dialog, provenance: str) -> dict[str, Any]:
     cut = any(g["finish_reason"] == "length" for g in d.generated)
     return {
         "sample_id": d.row["sample_id"], "source": d.row["source"], "split": d.row["split"],
         "messages": d.history, "tools": d.row.get("tools"), "generated": d.generated, "provenance": provenance,
-        "enable_thinking": enable_thinking, "finish_reason": "length" if cut else "stop",
+        "enable_thinking": d.thinking, "finish_reason": "length" if cut else "stop",
     }
+
+
+def settle(d: Dialog, provenance: str, length_policy: str) -> tuple[dict | None, dict | None]:
+    """(output row, reject) for a finished dialog."""
+    if d.failed is None and not d.generated:
+        d.failed = ("nothing_generated", d.cut or "no reply was generated")
+    if d.failed is not None:
+        return None, reject(d.row["source"], d.failed[0], d.failed[1], d.row["sample_id"])
+    row = output_row(d, provenance)
+    if row["finish_reason"] == "length" and length_policy == "drop":
+        return None, reject(d.row["source"], "length", "a turn reached max_new_tokens", d.row["sample_id"])
+    return row, None
+
+
+def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, params: SamplingParams,
+                     provenance: str, limit: int | None) -> tuple[list[dict], list[dict], int]:
+    """Regenerate some conversations; return (rows out, rejects, conversations cut at a tool result)."""
+    dialogs, rejects = [], []
+    for row in rows:
+        try:
+            chat.validate(row["messages"])
+        except ConversationError as exc:
+            rejects.append(reject(row["source"], exc.reason, str(exc), row["sample_id"]))
+            continue
+        dialogs.append(plan_dialog(row, thinking_for(row, rcfg.enable_thinking, rcfg.seed)))
+    regenerate_dialogs(dialogs, engine, chat, params, rcfg.batch_size, limit)
+    out = []
+    for d in dialogs:
+        row, rej = settle(d, provenance, rcfg.length_policy)
+        out += [row] if row else []
+        rejects += [rej] if rej else []
+    return out, rejects, sum(d.cut == "cut_before_tool_result" for d in dialogs)
+
+
+def _partial_paths(store: Store, fp: str, name: str) -> tuple[str, str]:
+    return store.stage_path(STAGE, fp, "partial", name), store.stage_path(STAGE, fp, "partial", f"rejected-{name}")
+
+
+def load_partial(store: Store, fp: str, name: str) -> tuple[list[dict], list[dict]]:
+    """Rows and rejects committed by an earlier, interrupted attempt at this shard."""
+    rows_path, rej_path = _partial_paths(store, fp, name)
+    out: list[list[dict]] = []
+    for path in (rows_path, rej_path):
+        if not store.exists(path):
+            out.append([])
+            continue
+        with store.fs.open(path, "rb") as fh:
+            out.append(rows_from_table(pq.read_table(fh)))
+    return out[0], out[1]
+
+
+def save_partial(store: Store, fp: str, name: str, rows: list[dict], rejects: list[dict]) -> None:
+    rows_path, rej_path = _partial_paths(store, fp, name)
+    for path, data, schema in ((rej_path, rejects, REJECTED), (rows_path, rows, REGENERATED)):
+        with store.writing(path) as tmp:
+            write_rows(tmp, data, schema)
+
+
+def provenance_of(engine, cfg: RunConfig, target: TargetRef, params: SamplingParams) -> str:
+    return json.dumps({"engine": engine.name, "model": cfg.target.path or "tiny", "revision": cfg.target.revision,
+                       "target_fingerprint": target.fingerprint, "sampling": params.to_dict()}, sort_keys=True)
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, curate_fp: str,
               shard: dict[str, Any]) -> dict[str, Any]:
-    """Regenerate one curate shard into a regenerate shard of the same name."""
+    """Regenerate one curate shard into a regenerate shard of the same name (resumable)."""
     from draftflow.chat import ChatFormat
 
-    rcfg = cfg.regenerate
+    rcfg, name = cfg.regenerate, shard["name"]
     rows = read_rows(store.verify_sha("curate", curate_fp, shard))
-    engine = make_engine(rcfg.engine, target.path, cfg.target.dtype, cfg.target.device)
-    params = SamplingParams(rcfg.max_new_tokens, rcfg.temperature, rcfg.top_p, rcfg.top_k, rcfg.seed)
-    dialogs, rejects, dropped = regenerate_rows(
-        rows, engine, ChatFormat(engine.tokenizer), params, rcfg.batch_size, rcfg.enable_thinking)
-    provenance = json.dumps({"engine": engine.name, "model": cfg.target.path or "tiny",
-                             "revision": cfg.target.revision, "target_fingerprint": target.fingerprint,
-                             "sampling": params.to_dict()}, sort_keys=True)
-    out = [output_row(d, provenance, rcfg.enable_thinking) for d in dialogs]
-    tokens = sum(g["completion_tokens"] for d in dialogs for g in d.generated)
-    lengths = Counter(r["finish_reason"] for r in out)
-    cut = sum(d.cut_at_tool_result for d in dialogs)
-    entry = write_parquet(store, STAGE, fp, shard["name"], out, REGENERATED, tokens=tokens, split=shard["split"])
+    done, rejects = load_partial(store, fp, name)
+    seen = {r["sample_id"] for r in done} | {r["row"] for r in rejects}
+    todo = [r for r in rows if r["sample_id"] not in seen]
+    if seen:
+        log.info("%s: resuming, %d of %d conversations already done", name, len(rows) - len(todo), len(rows))
+    engine = make_engine(rcfg, target.path, cfg.target.dtype, cfg.target.device, cfg.target.revision)
+    chat, params = ChatFormat.from_pretrained(target.path), sampling_params(rcfg, target.path)
+    provenance, limit, cut = provenance_of(engine, cfg, target, params), context_limit(cfg, target.path), 0
+    for i in range(0, len(todo), rcfg.checkpoint_every):
+        out, rej, n_cut = regenerate_chunk(todo[i:i + rcfg.checkpoint_every], engine, chat, rcfg, params,
+                                           provenance, limit)
+        done, rejects, cut = done + out, rejects + rej, cut + n_cut
+        save_partial(store, fp, name, done, rejects)
+    return _finish_shard(store, fp, shard, rows, done, rejects, cut)
+
+
+def _finish_shard(store: Store, fp: str, shard: dict, rows: list[dict], done: list[dict], rejects: list[dict],
+                  cut: int) -> dict[str, Any]:
+    order = {r["sample_id"]: i for i, r in enumerate(rows)}
+    done = sorted(done, key=lambda r: order[r["sample_id"]])
+    ids = [r["sample_id"] for r in done] + [r["row"] for r in rejects]
+    assert len(ids) == len(set(ids)) == len(rows), "regenerate lost or duplicated a conversation"
+    tokens = sum(g["completion_tokens"] for r in done for g in r["generated"])
+    entry = write_parquet(store, STAGE, fp, shard["name"], done, REGENERATED, tokens=tokens, split=shard["split"])
     rejected = write_rejects(store, STAGE, fp, shard["name"], rejects)
-    log.info("regenerated %s: %d conversations, %d tokens, finish %s", shard["name"], len(out), tokens, dict(lengths))
-    return shard_result(entry, rejected, len(rows), len(out), dropped, finish_reasons=dict(lengths),
+    for path in _partial_paths(store, fp, shard["name"]):
+        if store.exists(path):
+            store.fs.rm(path)
+    dropped = Counter(r["reason"] for r in rejects)
+    finish = Counter(r["finish_reason"] for r in done)
+    log.info("regenerated %s: %d conversations, %d tokens, dropped %s", shard["name"], len(done), tokens,
+             dict(dropped) or "nothing")
+    return shard_result(entry, rejected, len(rows), len(done), dropped, finish_reasons=dict(finish),
                         cut_before_tool_result=cut)

@@ -70,7 +70,9 @@ def _keep_rows(row: dict, encoded: list, tcfg: TokenizeConfig, minimum: int) -> 
 def _request(row: dict):
     from draftflow.chat import EncodeRequest
 
-    completions = {g["turn"]: g["ids"] for g in row.get("generated") or []} or None
+    generated = row.get("generated") or []
+    # Text-only engines (HTTP chat) leave ids empty: then every turn's ids come from the template.
+    completions = {g["turn"]: g["ids"] for g in generated} if generated and all(g["ids"] for g in generated) else None
     return EncodeRequest(row["messages"], completions, template_kwargs(row, bool(row.get("enable_thinking"))))
 
 
