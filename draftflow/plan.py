@@ -14,6 +14,7 @@ from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
 from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.stages.curate import check_sources, source_keys
+from draftflow.stages.regenerate import check_engine
 from draftflow.store import Store, digest
 from draftflow.target import TargetRef, resolve_target
 
@@ -30,6 +31,7 @@ def preflight(cfg: RunConfig) -> TargetRef:
     target = resolve_target(cfg.target)
     _check_taps(cfg, target)
     _check_chat(cfg, target)
+    check_engine(cfg, target)
     return target
 
 

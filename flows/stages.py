@@ -17,6 +17,7 @@ from draftflow.data.stats import table_rows
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.curate import plan_parts
 from draftflow.stages.curate import stage_inputs as curate_inputs
+from draftflow.stages.regenerate import check_engine
 from draftflow.stages.tokenize import write_vocab_files
 from draftflow.target import TargetRef
 from flows.common import map_shards, publish_table, run_stage
@@ -52,6 +53,7 @@ def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
     inputs = _inputs(target, curate=curated)
 
     def work(store, fp):
+        check_engine(cfg, target_ref(target))  # an unreachable endpoint fails here, before any shard
         shards = data_shards(curated["manifest"], "train")
         results = map_shards(T.regenerate_shard, store, "regenerate", shards, cfg=cfg, fp=fp, target=target,
                              input_fp=curated["fingerprint"])

@@ -113,3 +113,24 @@ def test_prompt_longer_than_the_context_is_rejected(tiny_target):
     out, rejects, _ = regenerate_chunk([row], engine, ChatFormat(engine.tokenizer), rcfg,
                                        sampling_params(rcfg, tiny_target.path), "{}", 64)
     assert not out and rejects[0]["reason"] == "prompt_too_long"
+
+
+def test_a_request_the_server_refuses_fails_only_its_own_conversation():
+    from draftflow.errors import DraftflowError
+
+    class Refused(DraftflowError):
+        status, index = 400, 1
+
+    class RefusingEngine(ScriptedEngine):
+        def generate(self, requests, params):
+            if len(requests) == 3:
+                raise Refused("http://x/v1/chat/completions: 400 prompt too long")
+            return super().generate(requests, params)
+
+    rows = [{"sample_id": f"r{i}", "source": "s", "split": "train",
+             "messages": [{"role": "user", "content": "q" * (i + 1)}]} for i in range(3)]
+    rcfg = RegenerateConfig(max_new_tokens=8)
+    params = sampling_params(rcfg, "tests/fixtures/tokenizers/qwen3")
+    out, rejects, _ = regenerate_chunk(rows, RefusingEngine(["a", "b"]), _chat(), rcfg, params, "{}", None)
+    assert [r["sample_id"] for r in out] == ["r0", "r2"]
+    assert [(r["reason"], r["row"]) for r in rejects] == [("request_rejected", "r1")]

@@ -90,9 +90,27 @@ def regenerate_dialogs(dialogs: list[Dialog], engine, chat, params: SamplingPara
     while active := [d for d in dialogs if d.has_next()]:
         ready = sorted(_requests(active, chat, limit), key=lambda dr: len(dr[1].prompt_ids))
         for i in range(0, len(ready), batch_size):
-            batch = ready[i:i + batch_size]
-            for (d, _), c in zip(batch, engine.generate([r for _, r in batch], params)):
-                apply_completion(d, c)
+            _generate_batch(engine, ready[i:i + batch_size], params)
+
+
+def _generate_batch(engine, batch: list[tuple[Dialog, GenRequest]], params: SamplingParams) -> None:
+    """Generate one batch; a request the server refuses (a 4xx naming its index) fails only its
+    own dialog, with a counted reason, and the rest of the batch is sent again."""
+    from draftflow.errors import DraftflowError
+
+    while batch:
+        try:
+            completions = engine.generate([r for _, r in batch], params)
+        except DraftflowError as exc:
+            index = getattr(exc, "index", None)
+            if index is None or not 400 <= (getattr(exc, "status", None) or 0) < 500:
+                raise
+            batch[index][0].failed = ("request_rejected", str(exc))
+            batch = batch[:index] + batch[index + 1:]
+            continue
+        for (d, _), c in zip(batch, completions):
+            apply_completion(d, c)
+        return
 
 
 def output_row(d: Dialog, provenance: str) -> dict[str, Any]:
@@ -127,7 +145,10 @@ def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, par
             rejects.append(reject(row["source"], exc.reason, str(exc), row["sample_id"]))
             continue
         dialogs.append(plan_dialog(row, thinking_for(row, rcfg.enable_thinking, rcfg.seed)))
-    regenerate_dialogs(dialogs, engine, chat, params, rcfg.batch_size, limit)
+    # hf batches by batch_size (memory); vllm schedules a whole round itself, and the HTTP
+    # client bounds its own concurrency, so they get every request of the round at once.
+    batch = rcfg.batch_size if rcfg.engine == "hf" else max(1, len(dialogs))
+    regenerate_dialogs(dialogs, engine, chat, params, batch, limit)
     out = []
     for d in dialogs:
         row, rej = settle(d, provenance, rcfg.length_policy)
@@ -158,6 +179,23 @@ def save_partial(store: Store, fp: str, name: str, rows: list[dict], rejects: li
     for path, data, schema in ((rej_path, rejects, REJECTED), (rows_path, rows, REGENERATED)):
         with store.writing(path) as tmp:
             write_rows(tmp, data, schema)
+
+
+def check_engine(cfg: RunConfig, target: TargetRef) -> None:
+    """Fail before any work when the configured engine cannot serve (e.g. an unreachable URL)."""
+    if cfg.regenerate.engine != "openai":
+        return
+    from draftflow.engines.openai import OpenAIEngine
+
+    if not cfg.regenerate.openai.endpoints:
+        from draftflow.errors import ConfigError
+
+        raise ConfigError("regenerate.engine is openai but regenerate.openai.endpoints is empty; list the URLs")
+    engine = OpenAIEngine(cfg.regenerate.openai, cfg.regenerate.openai.model or target.path)
+    try:
+        engine.check_reachable()
+    finally:
+        engine.close()
 
 
 def provenance_of(engine, cfg: RunConfig, target: TargetRef, params: SamplingParams) -> str:
