@@ -126,6 +126,8 @@ class RegenerateConfig(Section):
     enable_thinking: bool | float = Field(
         False, description="true / false, or the fraction of conversations (0..1) generated with thinking on")
     length_policy: Literal["drop", "keep"] = Field("drop", description="rows with a turn cut by max_new_tokens")
+    tool_mismatch: Literal["cut", "drop"] = Field(
+        "cut", description="when a regenerated tool call differs from the source's: cut before its result, or drop")
     checkpoint_every: int = Field(64, ge=1, description="conversations between in-shard checkpoints")
     seed: int = 0
     openai: OpenAIEngineConfig = OpenAIEngineConfig()

@@ -134,3 +134,9 @@ def test_a_request_the_server_refuses_fails_only_its_own_conversation():
     out, rejects, _ = regenerate_chunk(rows, RefusingEngine(["a", "b"]), _chat(), rcfg, params, "{}", None)
     assert [r["sample_id"] for r in out] == ["r0", "r2"]
     assert [(r["reason"], r["row"]) for r in rejects] == [("request_rejected", "r1")]
+
+
+def test_tool_mismatch_policy_drop_counts_the_conversation():
+    other = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    out, rejects, cut = _run([TOOL_ROW], [other], tool_mismatch="drop")
+    assert not out and cut == 1 and rejects[0]["reason"] == "tool_call_mismatch"

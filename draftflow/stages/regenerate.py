@@ -122,14 +122,16 @@ def output_row(d: Dialog, provenance: str) -> dict[str, Any]:
     }
 
 
-def settle(d: Dialog, provenance: str, length_policy: str) -> tuple[dict | None, dict | None]:
-    """(output row, reject) for a finished dialog."""
+def settle(d: Dialog, provenance: str, rcfg: RegenerateConfig) -> tuple[dict | None, dict | None]:
+    """(output row, reject) for a finished dialog, by the length and tool-mismatch policies."""
+    if d.cut == "cut_before_tool_result" and rcfg.tool_mismatch == "drop":
+        d.failed = ("tool_call_mismatch", "the regenerated tool call differs from the source's")
     if d.failed is None and not d.generated:
         d.failed = ("nothing_generated", d.cut or "no reply was generated")
     if d.failed is not None:
         return None, reject(d.row["source"], d.failed[0], d.failed[1], d.row["sample_id"])
     row = output_row(d, provenance)
-    if row["finish_reason"] == "length" and length_policy == "drop":
+    if row["finish_reason"] == "length" and rcfg.length_policy == "drop":
         return None, reject(d.row["source"], "length", "a turn reached max_new_tokens", d.row["sample_id"])
     return row, None
 
@@ -151,7 +153,7 @@ def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, par
     regenerate_dialogs(dialogs, engine, chat, params, batch, limit)
     out = []
     for d in dialogs:
-        row, rej = settle(d, provenance, rcfg.length_policy)
+        row, rej = settle(d, provenance, rcfg)
         out += [row] if row else []
         rejects += [rej] if rej else []
     return out, rejects, sum(d.cut == "cut_before_tool_result" for d in dialogs)
