@@ -146,8 +146,14 @@ class TokenizeConfig(Section):
 
 
 class ExtractConfig(Section):
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    batch_size: int = Field(8, ge=1)
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: store features; online: train computes them per batch from the target")
+    dtype: Literal["bfloat16", "float32", "float8"] = Field(
+        "bfloat16", description="stored feature dtype; float8 = e4m3 with one fp32 scale per token and tap")
+    batch_size: int = Field(8, ge=1, description="sequences per forward pass (halved on CUDA out-of-memory)")
+    engine: Literal["hf", "vllm"] = "hf"
+    checkpoint_every: int = Field(256, ge=1, description="sequences between in-shard checkpoints")
+    force: bool = Field(False, description="start even when the destination lacks the space")
 
 
 class DrafterConfig(Section):
@@ -221,7 +227,8 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # Fields that choose where or how often work happens, never its result: changing them
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
 NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",
-                     "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm"}
+                     "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm",
+                     "extract.checkpoint_every", "extract.force", "extract.batch_size"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

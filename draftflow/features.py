@@ -2,99 +2,313 @@
 
 One safetensors file holds many samples, packed along the token axis:
 
-    hidden_states  (T_total, n_taps, D)  bf16 (or fp32)   tap i = layer_ids[i]
-    input_ids      (T_total,)            int64
-    loss_mask      (T_total,)            uint8            1 = supervised
-    offsets        (n_samples + 1,)      int64            sample j = [offsets[j], offsets[j+1])
+    hidden_states  (T_total, n_taps, D)  bf16, fp32 or fp8 (e4m3)   tap i = layer_ids[i]
+    scales         (T_total, n_taps)     fp32, fp8 only            one scale per token and tap
+    input_ids      (T_total,)            int32
+    loss_mask      (T_total,)            uint8                     1 = supervised
+    offsets        (n_samples + 1,)      int64                     sample j = [offsets[j], offsets[j+1])
 
-Metadata (strings): `format`, `layer_ids` (JSON list, DFlash ids, see
-`draftflow.layers`), `sample_ids` (JSON list, in offset order).
-Reads are memory-mapped (`safe_open`), so a shard is never loaded whole to
-get one sample. This module knows nothing of models or engines.
+Metadata (strings): `format`, `dtype`, `layer_ids` (JSON list, DFlash ids, see
+`draftflow.layers`) and `sample_ids` (JSON list, in offset order): the per-shard
+index. Bytes per token are taps x hidden x dtype size plus 5 (ids, mask), plus
+4 x taps for fp8 scales: within 1% of the raw features from hidden 1024 up.
+
+The file is standard safetensors, but written and read here directly: writes
+stream sample by sample (a shard never has to fit in memory twice, and shards
+merge by copying byte ranges), and reads take byte ranges of one sample from
+an mmap (local) or an fsspec file (`s3://…`, ranged GETs), so random access by
+sample id never reads the whole shard. fp8 reads dequantize to bf16.
+This module knows nothing of models, engines or stages.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Iterator
+import math
+import mmap
+import struct
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import fsspec
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from draftflow.errors import StoreError
 
-FORMAT = "draftflow.features.v1"
+FORMAT = "draftflow.features.v2"
+STORED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8": torch.float8_e4m3fn}
+_ST_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32",
+             torch.int64: "I64", torch.uint8: "U8"}
+_ST_DTYPES = {v: k for k, v in _ST_NAMES.items()}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros, never to NaN
 
 
 @dataclass
 class FeatureSample:
     sample_id: str
-    input_ids: torch.Tensor  # (T,) int64
+    input_ids: torch.Tensor  # (T,) int
     loss_mask: torch.Tensor  # (T,) bool
     hidden: torch.Tensor  # (T, n_taps, D)
 
 
-def write_feature_shard(path: str | Path, samples: list[FeatureSample], layer_ids: list[int]) -> int:
-    """Pack samples into one safetensors file at `path` (a local path); return tokens written."""
+# -- encoding ------------------------------------------------------------------------------------
+def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, n, D) -> fp8 e4m3 values (T, n, D) and fp32 scales (T, n): x ~ q * scale."""
+    h = hidden.float()
+    scales = (h.abs().amax(dim=-1) / FP8_MAX).clamp(min=_MIN_SCALE)  # (T, n)
+    return (h / scales[..., None]).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (q.float() * scales[..., None]).to(dtype)
+
+
+def encode(hidden: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """The stored tensors of (T, n, D) features: `hidden_states` (and `scales` for float8)."""
+    if dtype == "float8":
+        q, scales = quantize_fp8(hidden)
+        return {"hidden_states": q, "scales": scales}
+    return {"hidden_states": hidden.to(STORED[dtype])}
+
+
+def round_trip(feats: torch.Tensor, dtype: str, n_taps: int) -> torch.Tensor:
+    """`feats` (T, n_taps * D) or (T, n_taps, D) as a reader of a `dtype` shard would get them,
+    in the input's dtype and shape: what the drafter sees in training, reproduced at inference."""
+    shape = feats.shape
+    hidden = feats.reshape(shape[0], n_taps, -1)
+    enc = encode(hidden, dtype)
+    out = dequantize_fp8(enc["hidden_states"], enc["scales"]) if dtype == "float8" else enc["hidden_states"]
+    return out.to(feats.dtype).reshape(shape)
+
+
+class StoreRounding:
+    """Round features through the stored format: `rounding(feats)` with feats (T, n_taps * D).
+
+    Also usable where a torch dtype is expected in `feats.to(rounding)` (the evaluate loop's
+    `feature_dtype`): `__torch_function__` turns that call into `rounding(feats)`.
+    """
+
+    def __init__(self, dtype: str, n_taps: int):
+        self.dtype, self.n_taps = dtype, n_taps
+
+    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
+        return round_trip(feats, self.dtype, self.n_taps)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.to and len(args) == 2 and isinstance(args[1], cls) and not kwargs:
+            return args[1](args[0])
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"StoreRounding({self.dtype!r}, n_taps={self.n_taps})"
+
+
+def feature_rounding(dtype: str, n_taps: int) -> torch.dtype | StoreRounding:
+    """What evaluate passes as `feature_dtype`: a plain dtype when a cast is exact, else a rounding."""
+    return StoreRounding(dtype, n_taps) if dtype == "float8" else STORED[dtype]
+
+
+# -- writing -------------------------------------------------------------------------------------
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+
+
+def _write(path: str | Path, specs: list[tuple[str, torch.dtype, list[int], Iterable[torch.Tensor]]],
+           meta: dict[str, str]) -> None:
+    """Write a safetensors file tensor by tensor, each from an iterable of row blocks."""
+    header: dict = {"__metadata__": meta}
+    off = 0
+    for name, dtype, shape, _ in specs:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_NAMES[dtype], "shape": shape, "data_offsets": [off, off + n]}
+        off += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        for name, _, _, parts in specs:
+            start = fh.tell()
+            for part in parts:
+                fh.write(_bytes(part))
+            lo, hi = header[name]["data_offsets"]
+            assert fh.tell() - start == hi - lo, f"{name}: wrote {fh.tell() - start} bytes, header says {hi - lo}"
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
+    return offsets
+
+
+def _meta(layer_ids: list[int], dtype: str, sample_ids: list[str]) -> dict[str, str]:
+    return {"format": FORMAT, "dtype": dtype, "layer_ids": json.dumps(list(layer_ids)),
+            "sample_ids": json.dumps(sample_ids)}
+
+
+def write_feature_shard(path: str | Path, samples: list[FeatureSample], layer_ids: list[int],
+                        dtype: str = "bfloat16") -> int:
+    """Pack samples into one feature shard at `path` (a local path); return tokens written."""
     if not samples:
         raise ValueError("a feature shard needs at least one sample")
-    lengths = [int(s.input_ids.numel()) for s in samples]
-    offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0)
-    tensors = {
-        "hidden_states": torch.cat([s.hidden for s in samples]).contiguous(),
-        "input_ids": torch.cat([s.input_ids.to(torch.int64) for s in samples]).contiguous(),
-        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]).contiguous(),
-        "offsets": offsets,
-    }
-    meta = {
-        "format": FORMAT,
-        "layer_ids": json.dumps(list(layer_ids)),
-        "sample_ids": json.dumps([s.sample_id for s in samples]),
-    }
-    save_file(tensors, str(path), metadata=meta)
-    return int(offsets[-1])
+    enc = [encode(s.hidden, dtype) for s in samples]
+    offsets = _offsets([int(s.input_ids.numel()) for s in samples])
+    T, (n, D) = int(offsets[-1]), enc[0]["hidden_states"].shape[1:]
+    specs = [("hidden_states", STORED[dtype], [T, n, D], (e["hidden_states"] for e in enc))]
+    if dtype == "float8":
+        specs.append(("scales", torch.float32, [T, n], (e["scales"] for e in enc)))
+    specs += [("input_ids", torch.int32, [T], (s.input_ids.to(torch.int32) for s in samples)),
+              ("loss_mask", torch.uint8, [T], (s.loss_mask.to(torch.uint8) for s in samples)),
+              ("offsets", torch.int64, [len(samples) + 1], [offsets])]
+    _write(path, specs, _meta(layer_ids, dtype, [s.sample_id for s in samples]))
+    return T
+
+
+def merge_feature_shards(path: str | Path, parts: list[FeatureShard], sample_ids: list[str]) -> int:
+    """Write the samples `sample_ids`, found in `parts`, as one shard in that order; return tokens.
+
+    Stored bytes are copied as they are (no re-encoding): a merged fp8 shard equals one written at once.
+    """
+    where = {sid: (p, i) for p in parts for i, sid in enumerate(p.sample_ids)}
+    missing = [sid for sid in sample_ids if sid not in where]
+    if missing:
+        raise StoreError(f"cannot merge feature parts: {len(missing)} samples missing (e.g. {missing[0]})")
+    first = parts[0]
+    if any(p.layer_ids != first.layer_ids or p.dtype != first.dtype for p in parts):
+        raise StoreError("cannot merge feature parts with different layer ids or dtypes")
+    picks = [where[sid] for sid in sample_ids]
+    offsets = _offsets([p.length(i) for p, i in picks])
+    T = int(offsets[-1])
+    def rows_of(name: str) -> Iterator[torch.Tensor]:
+        return (p.rows(name, i) for p, i in picks)
+
+    specs = []
+    for name in first.tensor_names():
+        if name != "offsets":
+            dtype, shape = first.tensor_info(name)
+            specs.append((name, dtype, [T, *shape[1:]], rows_of(name)))
+    specs.append(("offsets", torch.int64, [len(picks) + 1], [offsets]))
+    _write(path, specs, _meta(first.layer_ids, first.dtype, list(sample_ids)))
+    return T
+
+
+# -- reading -------------------------------------------------------------------------------------
+def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
+    """sha256 of a local or fsspec file (a path on `fs` when given), streamed."""
+    h = hashlib.sha256()
+    opened = fs.open(path, "rb") if fs is not None else fsspec.open(path, "rb", **(storage_options or {}))
+    with opened as fh:
+        for chunk in iter(lambda: fh.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class FeatureShard:
-    """Memory-mapped random access to one feature shard (a local file)."""
+    """Random access by sample id, and streaming, over one feature shard (local path or fsspec URL).
 
-    def __init__(self, path: str | Path):
+    Local files are memory-mapped (copy-on-write, so returned tensors are zero-copy views);
+    remote ones are read by byte range through fsspec. With `sha256`, the whole file is hashed
+    first. A truncated, foreign or corrupted file raises `StoreError`.
+    """
+
+    def __init__(self, path: str | Path, sha256: str | None = None, storage_options: dict | None = None):
         self.path = str(path)
+        if sha256 is not None and sha256_of(self.path, storage_options) != sha256:
+            raise StoreError(f"feature shard {self.path} fails its checksum; it will be recomputed")
+        self._open(storage_options or {})
+        self._read_header()
+        self.offsets = self._tensor("offsets", 0, self._info["offsets"]["shape"][0])
+        self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
+
+    def _open(self, storage_options: dict) -> None:
+        fs, p = fsspec.core.url_to_fs(self.path, **storage_options)
+        self._remote = "local" not in fs.protocol and "file" not in fs.protocol
+        self._size = fs.size(p)
+        if self._remote:
+            self._fh = fs.open(p, "rb", block_size=4 << 20)
+        else:
+            with open(p, "rb") as fh:
+                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self._size else None
+
+    def _bytes(self, start: int, end: int):
+        if end > self._size:
+            raise StoreError(f"feature shard {self.path} is truncated; it will be recomputed")
+        if not self._remote:
+            return memoryview(self._mm)[start:end]
+        self._fh.seek(start)
+        return bytearray(self._fh.read(end - start))
+
+    def _read_header(self) -> None:
         try:
-            self._f = safe_open(self.path, framework="pt")
-        except Exception as exc:  # safetensors raises its own error types
-            raise StoreError(f"feature shard {self.path} is unreadable ({exc}); delete it to recompute") from None
-        meta = self._f.metadata() or {}
+            (n,) = struct.unpack("<Q", bytes(self._bytes(0, 8)))
+            header = json.loads(bytes(self._bytes(8, 8 + n)))
+        except (struct.error, ValueError, StoreError) as exc:
+            raise StoreError(f"feature shard {self.path} is unreadable ({exc}); it will be recomputed") from None
+        meta = header.pop("__metadata__", {}) or {}
         if meta.get("format") != FORMAT:
             raise StoreError(f"feature shard {self.path} has format {meta.get('format')!r}, expected {FORMAT}")
+        self._start, self._info = 8 + n, header
+        end = self._start + max(v["data_offsets"][1] for v in header.values())
+        if end != self._size:
+            raise StoreError(f"feature shard {self.path} has {self._size} bytes, its header says {end}; "
+                             "it is truncated or corrupted and will be recomputed")
+        self.dtype: str = meta["dtype"]
         self.layer_ids: list[int] = json.loads(meta["layer_ids"])
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
-        self.offsets = self._f.get_tensor("offsets")
-        self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self._info, key=lambda k: self._info[k]["data_offsets"][0])
+
+    def tensor_info(self, name: str) -> tuple[torch.dtype, list[int]]:
+        return _ST_DTYPES[self._info[name]["dtype"]], self._info[name]["shape"]
+
+    def _tensor(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of a stored tensor, as stored (a zero-copy view for local shards)."""
+        dtype, shape = self.tensor_info(name)
+        row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        start = self._start + self._info[name]["data_offsets"][0]
+        if hi <= lo:
+            return torch.empty((0, *shape[1:]), dtype=dtype)
+        buf = self._bytes(start + lo * row, start + hi * row)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(hi - lo, *shape[1:])
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
+    def _pos(self, key: int | str) -> int:
+        if isinstance(key, str):
+            if key not in self._index:
+                raise KeyError(f"sample {key!r} is not in feature shard {self.path}")
+            return self._index[key]
+        return key
+
+    def length(self, key: int | str) -> int:
+        i = self._pos(key)
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def rows(self, name: str, key: int | str) -> torch.Tensor:
+        """One sample's rows of one stored tensor, as stored (fp8 stays fp8)."""
+        i = self._pos(key)
+        return self._tensor(name, int(self.offsets[i]), int(self.offsets[i + 1]))
+
     def get(self, key: int | str) -> FeatureSample:
-        """One sample by position or by sample id."""
-        i = self._index[key] if isinstance(key, str) else key
-        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
-        return FeatureSample(
-            sample_id=self.sample_ids[i],
-            input_ids=self._f.get_slice("input_ids")[lo:hi],
-            loss_mask=self._f.get_slice("loss_mask")[lo:hi].bool(),
-            hidden=self._f.get_slice("hidden_states")[lo:hi],
-        )
+        """One sample by position or by sample id; fp8 features come back dequantized to bf16."""
+        i = self._pos(key)
+        hidden = self.rows("hidden_states", i)
+        if self.dtype == "float8":
+            hidden = dequantize_fp8(hidden, self.rows("scales", i))
+        return FeatureSample(self.sample_ids[i], self.rows("input_ids", i).to(torch.int64),
+                             self.rows("loss_mask", i).bool(), hidden)
 
     def __iter__(self) -> Iterator[FeatureSample]:
+        """Every sample in stored order (sequential reads: remote shards stream by read-ahead)."""
         for i in range(len(self)):
             yield self.get(i)
 
 
 def load_samples(paths: list[str | Path]) -> list[FeatureSample]:
-    """Every sample of the given local shards, in order."""
+    """Every sample of the given shards (local paths or fsspec URLs), in order."""
     return [s for p in paths for s in FeatureShard(p)]

@@ -70,3 +70,22 @@ def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int
             f"drafter.target_layer_ids must be strictly increasing, got {list(layer_ids)}"
         )
     return list(layer_ids)
+
+
+# Where each capture engine reads DFlash id L (the output of decoder layer L):
+#   hf_hook     forward hook on decoder layer L itself: its output is the id, unchanged.
+#   hf_hidden   transformers `output_hidden_states` tuple: boundary index L + 1.
+#   vllm        vLLM `eagle_aux_hidden_state_layer_ids`: the residual stream *entering*
+#               layer k (so k = num_layers is the last layer's un-normed output): L + 1.
+_ENGINE_OFFSETS = {"hf_hook": 0, "hf_hidden": 1, "vllm": 1}
+
+
+def engine_layer_index(engine: str, layer_id: int) -> int:
+    """The index `engine` uses for DFlash layer id L (see the table above).
+
+    Raises:
+        ValueError: an engine without an entry in the table.
+    """
+    if engine not in _ENGINE_OFFSETS:
+        raise ValueError(f"no layer-index convention for engine {engine!r}; known: {sorted(_ENGINE_OFFSETS)}")
+    return layer_id + _ENGINE_OFFSETS[engine]

@@ -288,11 +288,21 @@ def _step_record(stats: list[LossStats], w_total: float, block_size: int, skippe
 def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:
     """What a checkpoint must agree with to be resumed (device and cadence may change)."""
     train = tcfg.model_dump(mode="json", exclude={"device", "checkpoint_every"})
-    ids = hashlib.sha256("\n".join(s.sample_id for s in samples).encode()).hexdigest()
+    ids = hashlib.sha256("\n".join(_sample_ids(samples)).encode()).hexdigest()
     return {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
 
 
 # ----------------------------------------------------------------------------- the loop
+
+
+def _sample_ids(samples) -> list[str]:
+    # An online source (draftflow.stages.train.OnlineSamples) knows its ids without computing features.
+    return list(samples.sample_ids) if hasattr(samples, "sample_ids") else [s.sample_id for s in samples]
+
+
+def _take(samples, idx: list[int]) -> list[FeatureSample]:
+    # An online source computes one step's features in one batched target forward.
+    return samples.take(idx) if hasattr(samples, "take") else [samples[i] for i in idx]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -308,7 +318,8 @@ def train_drafter(
     """Train a DFlash drafter on feature samples; checkpoint and resume in `out_dir`.
 
     Args:
-        samples: sequences with tap features in `dcfg.target_layer_ids` order.
+        samples: sequences with tap features in `dcfg.target_layer_ids` order: a list, or
+            an online source with `__len__`, `sample_ids` and `take(indices)`.
         target_model: the HF target; only its embedding and LM head are used (frozen,
             and moved to the training device with the drafter).
         dcfg: drafter shape. tcfg: the `train` config section.
@@ -349,7 +360,7 @@ def _run_steps(run: _Run, state: dict) -> None:
     run.drafter.train()
     while state["step"] < run.total:
         idx = step_indices(state["step"], len(run.samples), run.tcfg)
-        rec = _train_step(run, [run.samples[i] for i in idx], state["step"])
+        rec = _train_step(run, _take(run.samples, idx), state["step"])
         state["step"] += 1
         state["history"].append(rec["loss"])
         state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]

@@ -74,14 +74,42 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     from draftflow.config import load_config
-    from draftflow.plan import plan, preflight
+    from draftflow.plan import environment, plan, preflight
 
     cfg = load_config(args.config, args.overrides)
     target = preflight(cfg)
-    print(f"run {cfg.name}  root {cfg.root}  target {target.path} ({target.fingerprint})")
+    env = environment(cfg)
+    free = "unknown (object store)" if env["free_bytes"] is None else f"{_size(env['free_bytes'])} free"
+    hw = ", ".join(f"{k} {v}" for k, v in env["hardware"].items())
+    # stdout: one header line, then one line per stage (scripts and tests parse it); notes go to stderr.
+    print(f"run {cfg.name}  root {cfg.root} ({free})  target {target.path} ({target.fingerprint})  devices: {hw}")
     for s in plan(cfg, target):
-        print(f"  {s['stage']:<11} {s['state']:<9} {s['fingerprint'] or ''}")
+        print(f"  {s['stage']:<11} {s['state']:<9} {s['fingerprint'] or '':<16} rows {_num(s['rows']):>9}  "
+              f"tokens {_num(s['tokens']):>11}  bytes {_size(s['bytes']):>10}  time {_duration(s['seconds']):>9}"
+              f"  ({s['basis']})")
+    print(f"free space at {env['root']}: {free}\nestimated times assume:", file=sys.stderr)
+    for line in env["assumptions"]:
+        print(f"  - {line}", file=sys.stderr)
     return 0
+
+
+def _num(n) -> str:
+    return "?" if n is None else f"{int(n):,}"
+
+
+def _size(n) -> str:
+    from draftflow.plan import human_bytes
+
+    return "-" if n is None else human_bytes(n)
+
+
+def _duration(seconds) -> str:
+    if seconds is None:
+        return "-"
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= span:
+            return f"{seconds / span:.1f} {unit}"
+    return f"{seconds:.1f} s"
 
 
 def cmd_run(args) -> int:

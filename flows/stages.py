@@ -14,13 +14,17 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.data.stats import table_rows
+from draftflow.plan import check_space
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.curate import plan_parts
 from draftflow.stages.curate import stage_inputs as curate_inputs
+from draftflow.stages.extract import bad_shards
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.tokenize import write_vocab_files
+from draftflow.stages.train import online_manifest
+from draftflow.store import MANIFEST
 from draftflow.target import TargetRef
-from flows.common import map_shards, publish_table, run_stage
+from flows.common import map_shards, publish_table, reuse, run_stage, with_storage
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
 
@@ -79,11 +83,23 @@ def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
 
 @flow(name="extract")
 def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
+    """Feature shards are checked by sha256 before the stage is reused (they are too big for the
+    store's reuse check to hash); a bad one drops the manifest and only that shard is recomputed."""
     inputs = _inputs(target, tokenize=tokenized)
+    store, fp, manifest = reuse(cfg, "extract", inputs)
+    if manifest is not None and bad_shards(store, fp, manifest["shards"]):
+        store.fs.rm(store.stage_path("extract", fp, MANIFEST))
 
     def work(store, fp):
-        results = map_shards(T.extract_shard, store, "extract", data_shards(tokenized["manifest"], "train"), cfg=cfg,
-                             fp=fp, target=target, input_fp=tokenized["fingerprint"])
+        if cfg.extract.mode == "online":  # nothing stored: train computes the features per batch
+            return online_manifest(store, fp, cfg, inputs, tokenized)
+        check_space(cfg, tokenized["manifest"], target_ref(target), fp=fp)  # before any shard
+        shards = data_shards(tokenized["manifest"], "train")
+        kw = dict(cfg=cfg, fp=fp, target=target, input_fp=tokenized["fingerprint"])
+        results = map_shards(T.extract_shard, store, "extract", shards, **kw)
+        bad = set(bad_shards(store, fp, [r["shard"] for r in results]))
+        rerun = with_storage(T.extract_shard, store).with_options(refresh_cache=True)
+        results = [rerun(shard=s, **kw) if r["shard"]["name"] in bad else r for s, r in zip(shards, results)]
         return finalize(store, "extract", fp, cfg, inputs, results)
     return run_stage(cfg, "extract", inputs, work)
 

@@ -17,8 +17,8 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.errors import ConfigError
+from draftflow.features import feature_rounding
 from draftflow.stages.common import data_shards, finalize
-from draftflow.stages.extract import DTYPES
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
 
@@ -77,7 +77,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
     drafter = load_drafter(store, trained, model)
     # Draft from features rounded like the stored ones the drafter was trained on.
-    feature_dtype = DTYPES[cfg.extract.dtype]
+    feature_dtype = feature_rounding(cfg.extract.dtype, len(drafter.config.target_layer_ids))
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer), feature_dtype)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     entries = []

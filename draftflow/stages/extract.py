@@ -1,31 +1,42 @@
 """Extract: the target's hidden states at the drafter's taps, packed in feature shards.
 
 Tap ids follow DFlash semantics (`draftflow.layers`): id L is the output of
-decoder layer L, `hidden_states[L + 1]`. Samples are run in length-sorted
-batches with right padding (padding never changes the valid positions of a
-causal model) and stored bf16 by default, many per safetensors shard.
-This first version asks transformers for every layer's output and keeps the
-taps; capturing only the taps with hooks is the memory optimisation for big targets.
+decoder layer L, `hidden_states[L + 1]`. A capture engine (`draftflow.capture`:
+transformers hooks on the tap layers only, or vLLM) runs length-sorted batches,
+halved on CUDA out-of-memory; features are stored bf16, fp32 or fp8 with
+per-token scales (`draftflow.features`), many samples per shard.
+
+Resume: at shard granularity through the task cache; inside a shard, every
+`checkpoint_every` sequences are committed as a part file under
+`partial/<shard>/`, and a restarted shard skips the sample ids already in its
+parts. The final shard is the parts merged by byte copy, in input order; the
+parts are then removed.
+
+Corruption: `bad_shards` hashes a stage's feature shards against the manifest;
+the extract flow runs it before reusing the stage and re-runs the shards that
+fail (a truncated file also fails `FeatureShard`'s size check on read).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from typing import Any
 
 import torch
 
+from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
-from draftflow.features import FeatureSample, write_feature_shard
-from draftflow.layers import default_dflash_layer_ids, hf_hidden_state_index, validate_layer_ids
+from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
+from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
 from draftflow.stages.common import shard_result
 from draftflow.store import Store, shard_entry
-from draftflow.target import TargetRef, load_target, model_lock
+from draftflow.target import TargetRef
 
 log = logging.getLogger(__name__)
 STAGE = "extract"
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def drafter_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
@@ -36,39 +47,114 @@ def drafter_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
     return validate_layer_ids(ids, num_target_layers)
 
 
-@torch.no_grad()
+def target_depth(target_path: str) -> int:
+    """Decoder layers of the target, from its config (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(target_path).num_hidden_layers
+
+
+def sample_key(row: dict[str, Any]) -> str:
+    """A tokenize row's id in feature shards: conversation id and row number."""
+    return f"{row['sample_id']}:{row['row']}"
+
+
 def capture(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-    """Tap features per sequence: a list of (T_i, n_taps, D) tensors."""
-    width = max(len(x) for x in batch_ids)
-    ids = torch.zeros((len(batch_ids), width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(batch_ids):
-        ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    with model_lock(model):
-        out = model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), output_hidden_states=True)
-    taps = torch.stack([out.hidden_states[hf_hidden_state_index(L)] for L in layer_ids], dim=2)  # (B, T, n, D)
-    return [taps[i, : len(x)].to("cpu", dtype) for i, x in enumerate(batch_ids)]
+    """Tap features per sequence, (T_i, n_taps, D) in `dtype`, for callers holding a loaded HF model."""
+    from draftflow.capture import HFCapture
+
+    return [f.to(dtype) for f in HFCapture(model, layer_ids).capture(batch_ids)]
+
+
+# -- in-shard checkpoints ------------------------------------------------------------------------
+def _partial_dir(store: Store, fp: str, name: str) -> str:
+    return store.stage_path(STAGE, fp, "partial", name.rsplit(".", 1)[0])
+
+
+def _part_paths(store: Store, fp: str, name: str) -> list[str]:
+    folder = _partial_dir(store, fp, name)
+    if not store.exists(folder):
+        return []
+    return sorted(p for p in store.fs.ls(folder, detail=False) if p.endswith(".safetensors"))
+
+
+def _open_parts(store: Store, paths: list[str], tmp: str) -> list[FeatureShard]:
+    """Parts as readable shards; on S3 each is downloaded afresh into `tmp` (parts are re-created
+    under the same names after a shard is recomputed, so no cached copy may be trusted)."""
+    if store.is_local:
+        return [FeatureShard(p) for p in paths]
+    out = []
+    for i, p in enumerate(paths):
+        local = os.path.join(tmp, f"part-{i:05d}.safetensors")
+        store.fs.get_file(p, local)
+        out.append(FeatureShard(local))
+    return out
+
+
+def _save_part(store: Store, fp: str, name: str, k: int, samples: list[FeatureSample], layer_ids: list[int],
+               dtype: str) -> None:
+    with store.writing(f"{_partial_dir(store, fp, name)}/part-{k:05d}.safetensors") as tmp:
+        write_feature_shard(tmp, samples, layer_ids, dtype)
+
+
+def _clear_parts(store: Store, fp: str, name: str) -> None:
+    folder = _partial_dir(store, fp, name)
+    if store.exists(folder):
+        store.fs.rm(folder, recursive=True)
+
+
+# -- the shard -----------------------------------------------------------------------------------
+def extract_rows(store: Store, fp: str, cfg: RunConfig, target: TargetRef, name: str, rows: list[dict],
+                 done: set[str], layer_ids: list[int], first_part: int) -> None:
+    """Capture the rows not in `done`, committing a part every `extract.checkpoint_every` sequences."""
+    xcfg = cfg.extract
+    todo = [r for r in rows if sample_key(r) not in done]
+    if not todo:
+        return
+    engine = make_capture_engine(xcfg.engine, target.path, layer_ids, cfg.target.dtype, cfg.target.device,
+                                 cfg.regenerate.vllm)
+    batch = xcfg.batch_size
+    for k, lo in enumerate(range(0, len(todo), xcfg.checkpoint_every)):
+        chunk = todo[lo:lo + xcfg.checkpoint_every]
+        feats, batch = capture_in_batches(engine, [r["input_ids"] for r in chunk], batch)
+        samples = [FeatureSample(sample_key(r), torch.tensor(r["input_ids"]),
+                                 torch.tensor(r["loss_mask"], dtype=torch.bool), f) for r, f in zip(chunk, feats)]
+        _save_part(store, fp, name, first_part + k, samples, layer_ids, xcfg.dtype)
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: str,
               shard: dict[str, Any]) -> dict[str, Any]:
-    """Extract features for one tokenize shard into one safetensors feature shard."""
-    model, _ = load_target(target.path, cfg.target.dtype, cfg.target.device)
-    layer_ids = drafter_layer_ids(cfg, model.config.num_hidden_layers)
+    """Extract features for one tokenize shard into one feature shard (resumable inside the shard)."""
+    layer_ids = drafter_layer_ids(cfg, target_depth(target.path))
     rows = read_rows(store.verify_sha("tokenize", tok_fp, shard))
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
-    samples: dict[int, FeatureSample] = {}
-    for lo in range(0, len(order), cfg.extract.batch_size):
-        idx = order[lo:lo + cfg.extract.batch_size]
-        feats = capture(model, [rows[i]["input_ids"] for i in idx], layer_ids, DTYPES[cfg.extract.dtype])
-        for i, f in zip(idx, feats):
-            r = rows[i]
-            samples[i] = FeatureSample(f"{r['sample_id']}:{r['row']}", torch.tensor(r["input_ids"]),
-                                       torch.tensor(r["loss_mask"], dtype=torch.bool), f)
     name = shard["name"].replace(".parquet", ".safetensors")
-    with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
-        tokens = write_feature_shard(tmp, [samples[i] for i in range(len(rows))], layer_ids)
-        entry = shard_entry(name, tmp, rows=len(rows), tokens=tokens, split=shard["split"], layer_ids=layer_ids)
-    log.info("extracted %s: %d sequences, %d tokens, taps %s", name, len(rows), tokens, layer_ids)
+    with tempfile.TemporaryDirectory(prefix="draftflow-extract-") as tmp:
+        parts = _open_parts(store, _part_paths(store, fp, name), tmp)
+        done = {sid for p in parts for sid in p.sample_ids}
+        if done:
+            log.info("%s: resuming, %d of %d sequences already extracted", name, len(done), len(rows))
+        extract_rows(store, fp, cfg, target, name, rows, done, layer_ids, len(parts))
+        parts = _open_parts(store, _part_paths(store, fp, name), tmp)
+        with store.writing(store.stage_path(STAGE, fp, name)) as out:
+            tokens = merge_feature_shards(out, parts, [sample_key(r) for r in rows])
+            entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard["split"], layer_ids=layer_ids,
+                                dtype=cfg.extract.dtype)
+    _clear_parts(store, fp, name)
+    log.info("extracted %s: %d sequences, %d tokens, taps %s, %s", name, len(rows), tokens, layer_ids,
+             cfg.extract.dtype)
     return shard_result(entry, None, len(rows), len(rows), {})
+
+
+def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]]) -> list[str]:
+    """Names of feature shards that are missing or whose sha256 differs from their manifest entry.
+
+    Each shard is read once, streamed (local file or S3 object); nothing is cached.
+    """
+    bad = []
+    for s in shards:
+        path = store.stage_path(STAGE, fp, s["name"])
+        if not store.exists(path) or store.fs.size(path) != s["bytes"] or \
+                sha256_of(path, fs=store.fs) != s["sha256"]:
+            log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s["name"])
+            bad.append(s["name"])
+    return bad

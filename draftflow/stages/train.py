@@ -14,13 +14,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
-from draftflow.features import load_samples
+from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.models.dflash import DFlashConfig
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, shard_entry
-from draftflow.target import TargetRef, default_cache_dir, load_target
+from draftflow.target import TargetRef, default_cache_dir, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 STAGE = "train"
@@ -51,14 +56,12 @@ def work_dir(store: Store, fp: str) -> str:
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
         features: dict[str, Any]) -> dict[str, Any]:
-    """Train the drafter on every train feature shard; return the stage manifest."""
+    """Train the drafter on every train feature shard (or online features); return the stage manifest."""
     from draftflow.train import train_drafter
 
-    shards = data_shards(features["manifest"], "train")
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg = DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer))
-    check_taps(dcfg, shards)
-    samples = load_samples([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    samples, tokens = training_samples(store, cfg, target, dcfg, features)
     out = work_dir(store, fp)
     metrics = train_drafter(samples, model, dcfg, cfg.train, out)
     entries = []
@@ -66,10 +69,96 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
         with store.writing(store.stage_path(STAGE, fp, "checkpoint", name)) as tmp:
             Path(tmp).write_bytes((Path(out) / name).read_bytes())
             entries.append(shard_entry(f"checkpoint/{name}", tmp, rows=0))
-    tokens = sum(int(s.input_ids.numel()) for s in samples)
     result = {"shard": None, "rejected": None, "rows_in": len(samples), "rows_out": len(samples), "dropped": {}}
     manifest_results = [result] + [{"shard": e | {"tokens": 0}, "rejected": None, "rows_in": 0, "rows_out": 0,
                                     "dropped": {}} for e in entries]
     extra = {"checkpoint": store.url(store.stage_path(STAGE, fp, "checkpoint")), "metrics": metrics,
-             "trained_tokens": tokens}
+             "trained_tokens": tokens, "features": cfg.extract.mode}
     return finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
+
+
+def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig,
+                     features: dict[str, Any]) -> tuple[Any, int]:
+    """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
+    m = features["manifest"]
+    if m["extra"].get("mode") == "online":
+        tok = m["extra"]["tokenize"]
+        paths = [store.verify_sha("tokenize", tok["fingerprint"], s) for s in tok["shards"]]
+        samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.target_layer_ids)
+        return samples, samples.tokens
+    shards = data_shards(m, "train")
+    check_taps(dcfg, shards)
+    samples = load_samples([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    return samples, sum(int(s.input_ids.numel()) for s in samples)
+
+
+# ----------------------------------------------------------------------------- online mode
+
+
+def check_online(cfg: RunConfig) -> None:
+    """Online mode needs the hf capture engine on the training device (the target is co-located)."""
+    if cfg.extract.mode != "online":
+        return
+    if cfg.extract.engine != "hf":
+        raise ConfigError("extract.mode=online computes features inside training: set extract.engine=hf")
+    same = {"cuda": "cuda:0"}
+    if same.get(t := resolve_device(cfg.target.device), t) != same.get(d := resolve_device(cfg.train.device), d):
+        raise ConfigError(f"extract.mode=online needs the target on the training device: target.device="
+                          f"{cfg.target.device} but train.device={cfg.train.device}; set them equal")
+
+
+def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str],
+                    tokenized: dict[str, Any]) -> dict[str, Any]:
+    """The extract stage in online mode: no feature shard, the tokenize train shards to read instead."""
+    check_online(cfg)
+    shards = data_shards(tokenized["manifest"], "train")
+    rows, tokens = sum(int(s["rows"]) for s in shards), sum(int(s["tokens"]) for s in shards)
+    result = {"shard": None, "rejected": None, "rows_in": rows, "rows_out": rows, "dropped": {}}
+    extra = {"mode": "online", "tokens": tokens,
+             "tokenize": {"fingerprint": tokenized["fingerprint"], "shards": shards}}
+    return finalize(store, "extract", fp, cfg, inputs, [result], extra=extra)
+
+
+class OnlineSamples:
+    """Training sequences whose features are computed per step by the co-located target.
+
+    Holds the tokenize rows as Arrow columns (ids and masks, no features). `take`
+    runs extract's capture engine over one step's sequences and rounds the result
+    through the storage format, so it returns what `FeatureShard.get` would.
+    """
+
+    def __init__(self, table: pa.Table, engine, dtype: str, batch_size: int):
+        self.table, self.engine, self.dtype, self.batch_size = table, engine, dtype, batch_size
+        self.sample_ids = [f"{s}:{r}" for s, r in zip(table["sample_id"].to_pylist(), table["row"].to_pylist())]
+        self.tokens = int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
+
+    @classmethod
+    def from_parquet(cls, paths: list[str], target: TargetRef, cfg: RunConfig, layer_ids: list[int]) -> OnlineSamples:
+        from draftflow.capture import make_capture_engine
+
+        cols = ["sample_id", "row", "input_ids", "loss_mask"]
+        table = pa.concat_tables([pq.read_table(p, columns=cols) for p in paths])
+        engine = make_capture_engine("hf", target.path, list(layer_ids), cfg.target.dtype, cfg.target.device)
+        return cls(table, engine, cfg.extract.dtype, cfg.extract.batch_size)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> FeatureSample:
+        return self.take([i])[0]
+
+    def take(self, indices: list[int]) -> list[FeatureSample]:
+        """The samples at `indices`, features captured in length-sorted batches of `extract.batch_size`."""
+        from draftflow.capture import capture_in_batches
+
+        rows = self.table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        feats, self.batch_size = capture_in_batches(self.engine, [r["input_ids"] for r in rows], self.batch_size)
+        return [FeatureSample(self.sample_ids[i], torch.tensor(r["input_ids"], dtype=torch.int64),
+                              torch.tensor(r["loss_mask"], dtype=torch.bool), as_stored(f, self.dtype))
+                for i, r, f in zip(indices, rows, feats)]
+
+
+def as_stored(feats: torch.Tensor, dtype: str) -> torch.Tensor:
+    """(T, n_taps, D) features as a reader of an `extract.dtype` shard gets them (fp8: dequantized bf16)."""
+    reader = torch.bfloat16 if dtype == "float8" else STORED[dtype]
+    return round_trip(feats, dtype, feats.shape[1]).to(reader)

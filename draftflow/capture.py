@@ -1,0 +1,215 @@
+"""Capture engines: the target's hidden states at the drafter's taps, per sequence.
+
+An engine turns a batch of token id lists into one (T_i, n_taps, D) tensor per
+sequence (on the CPU, in the target's dtype), tap i being DFlash id
+`layer_ids[i]`, the output of decoder layer L (`draftflow.layers`).
+
+- `HFCapture` (transformers): forward hooks on the tap layers only, so the other
+  layers' outputs are never kept; the forward stops right after the last tap
+  layer (its hook raises a private exception that `capture` catches), so deep
+  layers, the final norm and the LM head are skipped. Batches are right-padded:
+  in a causal model padding never changes the valid positions. bf16 on GPU
+  comes from how the target is loaded (`draftflow.target.load_target`).
+- `VLLMCapture`: vLLM's hidden-state extraction (vLLM >= 0.18: the
+  `extract_hidden_states` speculative method with `ExampleHiddenStatesConnector`,
+  which writes one safetensors file per request). Best effort: vLLM marks the
+  connector as an example, its file layout may move between releases, and it is
+  tested on GPU only. vLLM is imported lazily.
+
+`capture_in_batches` runs any engine over length-sorted batches and halves the
+batch on CUDA out-of-memory. This module knows nothing of stores or shards.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import os
+import shutil
+import tempfile
+from typing import Protocol
+
+import torch
+
+from draftflow.errors import ConfigError, DraftflowError
+from draftflow.layers import engine_layer_index
+from draftflow.target import model_lock
+
+log = logging.getLogger(__name__)
+
+
+class CaptureEngine(Protocol):
+    name: str
+    layer_ids: list[int]
+
+    def capture(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        """One (T_i, n_taps, D) CPU tensor per sequence of `batch`."""
+        ...
+
+
+class _StopForward(Exception):
+    """Raised by the last tap's hook: everything after it is not needed."""
+
+
+def decoder_layers(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
+    """(decoder body without the LM head, its list of decoder layers) of an HF causal LM."""
+    body = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (expected .model.layers); "
+                          "set extract.engine to a supported engine or use a Llama/Qwen-style target")
+    return body, layers
+
+
+def right_pad(batch: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (B, T_max), padded on the right with id 0 / mask 0."""
+    width = max(len(x) for x in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x, dtype=torch.long)
+        mask[i, : len(x)] = 1
+    return ids.to(device), mask.to(device)
+
+
+class HFCapture:
+    """Tap capture from a transformers model with forward hooks on the tap layers only."""
+
+    name = "hf"
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.model, self.layer_ids = model, list(layer_ids)
+        self.body, self.layers = decoder_layers(model)
+        self.device = model.get_input_embeddings().weight.device
+
+    def _hook(self, slot: int, taps: dict[int, torch.Tensor], last: bool):
+        def hook(module, args, output):
+            taps[slot] = output[0] if isinstance(output, tuple) else output  # (B, T, D)
+            if last:
+                raise _StopForward
+        return hook
+
+    @torch.no_grad()
+    def capture(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        ids, mask = right_pad(batch, self.device)
+        taps: dict[int, torch.Tensor] = {}
+        last = max(range(len(self.layer_ids)), key=lambda s: self.layer_ids[s])
+        # Hooks are added and removed under the model's lock: threads share the cached model.
+        with model_lock(self.model):
+            handles = [self.layers[engine_layer_index("hf_hook", lid)].register_forward_hook(
+                self._hook(slot, taps, slot == last)) for slot, lid in enumerate(self.layer_ids)]
+            try:
+                self.body(input_ids=ids, attention_mask=mask, use_cache=False)
+            except _StopForward:
+                pass
+            finally:
+                for h in handles:
+                    h.remove()
+        stacked = torch.stack([taps[s] for s in range(len(self.layer_ids))], dim=2)  # (B, T, n_taps, D)
+        return [stacked[i, : len(x)].to("cpu") for i, x in enumerate(batch)]
+
+
+class VLLMCapture:
+    """Tap capture with vLLM's hidden-state extraction (GPU workers; best effort, see the module doc)."""
+
+    name = "vllm"
+
+    def __init__(self, path: str, layer_ids: list[int], tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None):
+        from draftflow.engines.vllm import import_vllm
+
+        self._vllm = import_vllm()
+        self.layer_ids = list(layer_ids)
+        self._dir = tempfile.mkdtemp(prefix="draftflow-vllm-hidden-")
+        aux = [engine_layer_index("vllm", lid) for lid in self.layer_ids]
+        self.llm = self._vllm.LLM(
+            model=path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len, enable_prefix_caching=False,  # a cached prefix would not be captured
+            enable_chunked_prefill=False,  # required by the extraction method
+            speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}},
+            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"shared_storage_path": self._dir}})
+
+    def capture(self, batch: list[list[int]]) -> list[torch.Tensor]:
+        params = self._vllm.SamplingParams(max_tokens=1, detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(x)} for x in batch], params, use_tqdm=False)
+        return [self._read(o, len(x)) for o, x in zip(outs, batch)]
+
+    def _read(self, out, length: int) -> torch.Tensor:
+        from safetensors.torch import load_file
+
+        path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+        if not path:
+            raise DraftflowError("vLLM returned no hidden_states_path: the vllm capture engine needs vLLM >= 0.18 "
+                                 "(extract_hidden_states); set extract.engine=hf otherwise")
+        hidden = load_file(path)["hidden_states"]
+        for p in (path, path + ".lock"):
+            if os.path.exists(p):
+                os.remove(p)
+        if hidden.shape[0] != length and hidden.shape[1] == length:  # (n_taps, T, D) in some releases
+            hidden = hidden.transpose(0, 1)
+        assert hidden.shape[0] >= length and hidden.shape[1] == len(self.layer_ids), tuple(hidden.shape)
+        return hidden[:length].contiguous()
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_capture(path: str, layer_ids: tuple[int, ...], tp: int, mem: float, max_len: int | None) -> VLLMCapture:
+    return VLLMCapture(path, list(layer_ids), tp, mem, max_len)
+
+
+def make_capture_engine(engine: str, target_path: str, layer_ids: list[int], dtype: str = "auto",
+                        device: str = "auto", vllm_cfg=None) -> CaptureEngine:
+    """The configured engine (loaded once per process): `hf` or `vllm` (with a `VLLMEngineConfig`)."""
+    if engine == "hf":
+        from draftflow.target import load_target
+
+        model, _ = load_target(target_path, dtype, device)
+        return HFCapture(model, layer_ids)
+    if engine == "vllm":
+        v = vllm_cfg
+        return _vllm_capture(target_path, tuple(layer_ids), v.tensor_parallel_size, v.gpu_memory_utilization,
+                             v.max_model_len)
+    raise ConfigError(f"extract.engine must be hf or vllm, got {engine!r}")
+
+
+def _free_cuda() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def capture_in_batches(engine: CaptureEngine, seqs: list[list[int]],
+                       batch_size: int) -> tuple[list[torch.Tensor], int]:
+    """Features of every sequence, in input order, from length-sorted batches.
+
+    On CUDA out-of-memory the batch is retried at half size (down to 1, then the error is
+    raised), and the smaller size is kept for the rest of the call.
+
+    Returns:
+        (one (T_i, n_taps, D) tensor per sequence, the batch size that last succeeded)
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    pos = 0
+    while pos < len(order):
+        idx = order[pos:pos + batch_size]
+        try:
+            feats = engine.capture([seqs[i] for i in idx])
+        except torch.cuda.OutOfMemoryError:
+            if batch_size == 1:
+                raise
+            batch_size = max(1, batch_size // 2)
+            log.warning("CUDA out of memory on %d sequences; retrying at batch size %d", len(idx), batch_size)
+            feats = None
+        if feats is None:
+            _free_cuda()  # outside the except block, so the failed batch's tensors are gone
+            continue
+        for i, f in zip(idx, feats):
+            out[i] = f
+        pos += len(idx)
+    return out, batch_size  # type: ignore[return-value]

@@ -1,0 +1,87 @@
+"""Online features (`extract.mode: online`): computed per step by the co-located target,
+equal to what extract would have stored, and enough to train a drafter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftflow.errors import ConfigError
+from draftflow.features import FeatureShard
+from draftflow.plan import preflight
+from draftflow.stages import curate, extract, regenerate, tokenize
+from draftflow.stages import train as train_stage
+from draftflow.stages.common import fingerprint, manifest_digest
+from draftflow.store import Store
+from tests.conftest import tiny_config
+
+
+@pytest.fixture(scope="module")
+def front(tmp_path_factory, tiny_target):
+    """curate -> regenerate -> tokenize on one train shard of the tiny run."""
+    cfg = tiny_config(tmp_path_factory.mktemp("online") / "run")
+    store = Store(cfg.root)
+    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
+    rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
+    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
+    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, cm["fingerprint"], shard)
+    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, rfp, rres["shard"])
+    return cfg, store, tres["shard"]
+
+
+def _online(cfg, store, tok_shard, tiny_target, *overrides):
+    cfg = tiny_config(cfg.root, "extract.mode=online", *overrides)
+    tokenized = {"manifest": {"shards": [tok_shard]}, "fingerprint": "tokfp"}
+    inputs = {"target": tiny_target.fingerprint, "tokenize": "d"}
+    xfp = fingerprint("extract", cfg, inputs)
+    return cfg, train_stage.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
+
+
+def test_online_extract_stores_nothing_and_points_at_the_tokenize_rows(front, tiny_target):
+    cfg, store, tok = front
+    ocfg, m, xfp = _online(cfg, store, tok, tiny_target)
+    assert m["shards"] == [] and m["extra"]["mode"] == "online"
+    assert m["rows_out"] == tok["rows"] and m["extra"]["tokens"] == tok["tokens"]
+    assert m["extra"]["tokenize"]["shards"] == [tok]
+    assert store.read_manifest("extract", xfp) == m  # complete: a rerun reuses it
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8"])
+def test_online_tensors_equal_the_stored_ones_for_the_same_batch(front, tiny_target, dtype):
+    cfg, store, tok = front
+    xcfg = tiny_config(cfg.root, f"extract.dtype={dtype}")
+    res = extract.run_shard(store, f"ex-{dtype}", xcfg, tiny_target, "tokfp", tok)
+    stored = FeatureShard(store.stage_path("extract", f"ex-{dtype}", res["shard"]["name"]))
+    ocfg = tiny_config(cfg.root, "extract.mode=online", f"extract.dtype={dtype}")
+    path = store.verify_sha("tokenize", "tokfp", tok)
+    online = train_stage.OnlineSamples.from_parquet([path], tiny_target, ocfg, stored.layer_ids)
+    assert online.sample_ids == stored.sample_ids and len(online) == len(stored)
+    # The whole shard in one take: the same length-sorted batches extract ran.
+    for got in online.take(list(range(len(online)))):
+        want = stored.get(got.sample_id)
+        assert got.hidden.dtype == want.hidden.dtype and torch.equal(got.hidden, want.hidden)
+        assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.loss_mask, want.loss_mask)
+    # A training step's own batch pads differently: equal up to one rounding step of the dtype.
+    for got in online.take([5, 0, 3]):
+        want = stored.get(got.sample_id).hidden.float()
+        torch.testing.assert_close(got.hidden.float(), want, atol=0.02 + 0.07 * (dtype == "float8"), rtol=0.07)
+
+
+def test_a_short_online_training_run_writes_a_checkpoint(front, tiny_target):
+    cfg, store, tok = front
+    ocfg, m, xfp = _online(cfg, store, tok, tiny_target, "train.max_steps=3", "train.checkpoint_every=2")
+    inputs = {"target": tiny_target.fingerprint, "extract": manifest_digest(m)}
+    tfp = fingerprint("train", ocfg, inputs)
+    out = train_stage.run(store, tfp, ocfg, tiny_target, inputs, {"manifest": m, "fingerprint": xfp})
+    assert out["extra"]["features"] == "online" and out["extra"]["metrics"]["steps"] == 3
+    assert out["extra"]["trained_tokens"] == tok["tokens"] and out["rows_out"] == tok["rows"]
+    ckpt = store.stage_path("train", tfp, "checkpoint", "model.safetensors")
+    assert store.exists(ckpt) and store.read_manifest("train", tfp) == out
+
+
+def test_online_mode_needs_the_hf_engine_on_the_training_device(tmp_path, tiny_target):
+    with pytest.raises(ConfigError, match="extract.engine=hf"):
+        preflight(tiny_config(tmp_path / "r", "extract.mode=online", "extract.engine=vllm"))
+    with pytest.raises(ConfigError, match="target on the training device"):
+        train_stage.check_online(tiny_config(tmp_path / "r", "extract.mode=online", "target.device=cpu",
+                                             "train.device=cuda:1"))
