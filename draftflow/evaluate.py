@@ -20,6 +20,7 @@ exact and the code is short. A KV-cached verifier is later work.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -29,11 +30,12 @@ from draftflow.layers import hf_hidden_state_index
 from draftflow.models.dflash import DFlashDrafter, block_attention_mask
 
 logger = logging.getLogger(__name__)
+RoundFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @torch.no_grad()
 def capture_taps(target, ids: list[int], layer_ids: list[int],
-                 feature_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 round_features: RoundFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One plain target forward: logits and tap features for every position.
 
     Args:
@@ -41,8 +43,8 @@ def capture_taps(target, ids: list[int], layer_ids: list[int],
         ids: the full token sequence.
         layer_ids: DFlash layer ids; id L is the output of decoder layer L,
             i.e. HF `hidden_states[L + 1]` (`draftflow.layers`).
-        feature_dtype: round the features through this dtype (the feature store's,
-            e.g. bf16) so the drafter sees at inference what it saw in training.
+        round_features: rounds (T, n_taps * D) features through the feature store's format
+            (bf16, fp8 with scales, …) so the drafter sees at inference what it saw in training.
 
     Returns:
         logits (T, V) and features (T, n_taps * D), taps concatenated in `layer_ids` order
@@ -52,8 +54,8 @@ def capture_taps(target, ids: list[int], layer_ids: list[int],
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out = target(input_ids=x, output_hidden_states=True, use_cache=False)
     feats = torch.cat([out.hidden_states[hf_hidden_state_index(lid)] for lid in layer_ids], dim=-1)[0]
-    if feature_dtype is not None:
-        feats = feats.to(feature_dtype).to(out.hidden_states[0].dtype)
+    if round_features is not None:
+        feats = round_features(feats)
     return out.logits[0], feats
 
 
@@ -93,7 +95,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
 
 def speculative_generate(
     target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
-    feature_dtype: torch.dtype | None = None,
+    round_features: RoundFn | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; output equals `greedy_generate` (lossless).
 
@@ -102,7 +104,7 @@ def speculative_generate(
         prompt_ids: prompt token ids (non-empty).
         max_new_tokens: exact cap on generated tokens.
         eos_ids: generation stops after the first of these (it is kept).
-        feature_dtype: the feature store's dtype (see `capture_taps`).
+        round_features: the feature store's rounding (see `capture_taps`).
 
     Returns:
         (generated tokens, acceptance length per drafting step). A step's length is
@@ -110,14 +112,14 @@ def speculative_generate(
         `1 + sum(accept_lengths) == len(tokens)` (the first token comes from prefill).
     """
     layer_ids = drafter.config.target_layer_ids
-    logits, feats = capture_taps(target, prompt_ids, layer_ids, feature_dtype)
+    logits, feats = capture_taps(target, prompt_ids, layer_ids, round_features)
     seq = list(prompt_ids)  # tokens the target has read; the anchor sits at position len(seq)
     out, done = _finish([int(logits[-1].argmax())], max_new_tokens, eos_ids)
     accept: list[int] = []
     while not done:
         anchor, n = out[-1], len(seq)
         drafts = draft_block(drafter, anchor, feats[:n])[1:].argmax(-1).tolist()
-        logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids, feature_dtype)
+        logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids, round_features)
         target_next = logits[n:].argmax(-1).tolist()  # greedy tokens for positions n+1..n+B
         k = _accept(drafts, target_next)
         step_tokens = drafts[:k] + [target_next[k]]
@@ -154,7 +156,7 @@ def evaluate_prompts(
     prompts: list[list[int]],
     ecfg: EvaluateConfig,
     eos_ids: set[int],
-    feature_dtype: torch.dtype | None = None,
+    round_features: RoundFn | None = None,
 ) -> dict:
     """Decode every prompt speculatively, check it against greedy, report acceptance.
 
@@ -163,7 +165,7 @@ def evaluate_prompts(
         ecfg: the `evaluate` config section (`max_new_tokens`, `num_prompts`; `device` is the
             caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
-        feature_dtype: the feature store's dtype (see `capture_taps`).
+        round_features: the feature store's rounding (see `capture_taps`).
 
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
@@ -178,7 +180,7 @@ def evaluate_prompts(
     tokens, per_prompt = 0, []
     drafter.eval()
     for i, prompt in enumerate(chosen):
-        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, feature_dtype)
+        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
         ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
         check_lossless(i, spec, ref)
         lengths += acc

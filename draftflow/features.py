@@ -84,34 +84,6 @@ def round_trip(feats: torch.Tensor, dtype: str, n_taps: int) -> torch.Tensor:
     return out.to(feats.dtype).reshape(shape)
 
 
-class StoreRounding:
-    """Round features through the stored format: `rounding(feats)` with feats (T, n_taps * D).
-
-    Also usable where a torch dtype is expected in `feats.to(rounding)` (the evaluate loop's
-    `feature_dtype`): `__torch_function__` turns that call into `rounding(feats)`.
-    """
-
-    def __init__(self, dtype: str, n_taps: int):
-        self.dtype, self.n_taps = dtype, n_taps
-
-    def __call__(self, feats: torch.Tensor) -> torch.Tensor:
-        return round_trip(feats, self.dtype, self.n_taps)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.to and len(args) == 2 and isinstance(args[1], cls) and not kwargs:
-            return args[1](args[0])
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"StoreRounding({self.dtype!r}, n_taps={self.n_taps})"
-
-
-def feature_rounding(dtype: str, n_taps: int) -> torch.dtype | StoreRounding:
-    """What evaluate passes as `feature_dtype`: a plain dtype when a cast is exact, else a rounding."""
-    return StoreRounding(dtype, n_taps) if dtype == "float8" else STORED[dtype]
-
-
 # -- writing -------------------------------------------------------------------------------------
 def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())

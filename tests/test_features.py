@@ -11,7 +11,6 @@ from draftflow.errors import StoreError
 from draftflow.features import (
     FeatureSample,
     FeatureShard,
-    feature_rounding,
     merge_feature_shards,
     round_trip,
     sha256_of,
@@ -65,8 +64,8 @@ def test_eval_rounding_equals_what_training_reads(tmp_path, dtype):
     stored = FeatureShard(tmp_path / "f.safetensors").get(0).hidden.float().reshape(len(s.input_ids), -1)
     flat = s.hidden.reshape(len(s.input_ids), -1)
     assert torch.equal(round_trip(flat, dtype, 2), stored)
-    # evaluate passes feature_rounding(...) where a dtype was expected: feats.to(it).to(float32)
-    assert torch.equal(flat.to(feature_rounding(dtype, 2)).to(torch.float32), stored)
+    # evaluate rounds its live features with round_trip: equal to what a shard reader gets
+    assert torch.equal(round_trip(flat, dtype, 2).to(torch.float32), stored)
 
 
 @pytest.mark.parametrize("dtype, size", [("bfloat16", 2), ("float8", 1)])

@@ -8,6 +8,7 @@ must equal the target's own greedy output, else the stage fails. Writes
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import tempfile
@@ -17,7 +18,7 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.errors import ConfigError
-from draftflow.features import feature_rounding
+from draftflow.features import round_trip
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
@@ -77,8 +78,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
     drafter = load_drafter(store, trained, model)
     # Draft from features rounded like the stored ones the drafter was trained on.
-    feature_dtype = feature_rounding(cfg.extract.dtype, len(drafter.config.target_layer_ids))
-    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer), feature_dtype)
+    n_taps = len(drafter.config.target_layer_ids)
+    rounding = functools.partial(round_trip, dtype=cfg.extract.dtype, n_taps=n_taps)
+    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer), rounding)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     entries = []
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
