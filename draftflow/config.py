@@ -166,6 +166,11 @@ class DrafterConfig(Section):
         None, description="DFlash ids (output of decoder layer L); null = paper default"
     )
     mask_token_id: int | None = Field(None, description="null = len(tokenizer)")
+    attn_backend: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto = flex on CUDA, sdpa on CPU")
+    layer_types: list[str] | None = Field(
+        None, description="per layer full_attention | sliding_attention; null = all full"
+    )
+    sliding_window: int | None = Field(None, ge=1, description="window of sliding_attention layers")
 
 
 class TrainConfig(Section):
@@ -181,6 +186,10 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(100, ge=1)
     device: str = "auto"
     seed: int = 0
+    length_buckets: bool = Field(True, description="batch_size > 1: group sequences of similar length")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (one per GPU)")
+    nnodes: int = Field(1, ge=1)
+    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous; null = local")
 
 
 class EvaluateConfig(Section):

@@ -10,7 +10,8 @@ Per sequence (DFlash paper, arXiv 2602.06036, section on training):
     matter most, since one wrong draft discards the rest of the block.
 
 What it does not know: where features come from (already-loaded
-`FeatureSample`s), Prefect, or distributed training. Checkpoints are local folders.
+`FeatureSample`s) or Prefect. Under torchrun each rank trains on its share of every
+step's global batch (`draftflow.distributed`); checkpoints are local folders, rank 0's.
 
 Key trade-off: one sequence per forward pass (variable T and anchor counts),
 with `batch_size` sequences by gradient accumulation. No padding logic and
@@ -32,15 +33,27 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftflow.batches import (  # noqa: F401  (re-exported: the batch API lives in draftflow.batches)
+    BUCKET_BATCHES,
+    IGNORE,
+    BlockBatch,
+    anchor_generator,
+    build_training_batch,
+    make_block_batch,
+    select_anchors,
+    step_indices,
+    total_steps,
+    warmup_cosine,
+)
 from draftflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from draftflow.config import TrainConfig
-from draftflow.errors import ConfigError
+from draftflow.distributed import DistEnv, all_reduce_sum, init_distributed, sync_gradients
+from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from draftflow.models.dflash import DFlashConfig, DFlashDrafter
 
 logger = logging.getLogger(__name__)
 
-IGNORE = -100
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 METRIC_WINDOW = 20  # steps averaged into the reported metrics
@@ -50,89 +63,6 @@ def default_gamma(block_size: int) -> float:
     """The paper's gamma for B = 16/10/8; otherwise (B-1)/2, which tracks those values
     (7.5/4.5/3.5) and keeps the weight of the last slot near exp(-2)."""
     return PAPER_GAMMA.get(block_size, max(0.5, (block_size - 1) / 2))
-
-
-# ----------------------------------------------------------------------------- batches
-
-
-@dataclass
-class BlockBatch:
-    """Drafter inputs and labels for one sequence; Q = n_blocks * B."""
-
-    anchors: torch.Tensor  # (N,) sorted anchor positions
-    block_ids: torch.Tensor  # (1, Q)
-    block_pos: torch.Tensor  # (1, Q)
-    ctx_hidden: torch.Tensor  # (1, T, n_taps*D)
-    ctx_pos: torch.Tensor  # (1, T)
-    attn_mask: torch.Tensor  # (1, Q, T+Q) bool
-    labels: torch.Tensor  # (1, Q) int64, IGNORE at slot 0 and unsupervised targets
-
-    def to(self, device: torch.device | str) -> BlockBatch:
-        return BlockBatch(**{k: v.to(device) for k, v in vars(self).items()})
-
-
-def select_anchors(
-    loss_mask: torch.Tensor, block_size: int, num_anchors: int, generator: torch.Generator
-) -> torch.Tensor:
-    """Uniformly sample up to `num_anchors` anchors, sorted.
-
-    Eligible a: loss_mask[a] is set, a >= 1 (some context exists) and the block fits
-    (a + B <= T). Returns an empty (0,) tensor when none is eligible.
-    """
-    T = loss_mask.numel()
-    pos = torch.arange(T)
-    ok = loss_mask.bool().cpu() & (pos >= 1) & (pos + block_size <= T)
-    cand = pos[ok]
-    if cand.numel() > num_anchors:
-        cand = cand[torch.randperm(cand.numel(), generator=generator)[:num_anchors]]
-    return cand.sort().values
-
-
-def make_block_batch(sample: FeatureSample, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> BlockBatch:
-    """Drafter inputs and labels for given anchors (see module docstring for the rule)."""
-    T, B = sample.input_ids.numel(), block_size
-    ids = sample.input_ids.to(torch.int64)
-    slot = torch.arange(B)  # (B,)
-    pos = anchors[:, None] + slot[None, :]  # (N, B) absolute position of every slot
-    block_ids = torch.full_like(pos, mask_token_id)
-    block_ids[:, 0] = ids[anchors]  # slot 0 holds the anchor token itself
-    # Slot k predicts the token at its own position a+k (no shift): label = ids[a+k].
-    labels = torch.where(sample.loss_mask.bool()[pos], ids[pos], IGNORE)
-    labels[:, 0] = IGNORE  # the anchor is given, not predicted
-    return BlockBatch(
-        anchors=anchors,
-        block_ids=block_ids.reshape(1, -1),
-        block_pos=pos.reshape(1, -1),
-        ctx_hidden=sample.hidden.reshape(1, T, -1),  # taps concatenated in tap order
-        ctx_pos=torch.arange(T)[None],
-        attn_mask=block_attention_mask(anchors, B, T)[None],
-        labels=labels.reshape(1, -1),
-    )
-
-
-def build_training_batch(
-    sample: FeatureSample,
-    block_size: int,
-    num_anchors: int,
-    generator: torch.Generator,
-    mask_token_id: int,
-) -> BlockBatch | None:
-    """Random anchors plus their blocks for one sequence.
-
-    Args:
-        sample: one sequence's ids, loss mask and (T, n_taps, D) tap features.
-        block_size: B.
-        num_anchors: at most this many blocks (paper: 512).
-        generator: the only source of randomness (anchor choice).
-        mask_token_id: id filling slots 1..B-1.
-
-    Returns:
-        A `BlockBatch`, or None when the sequence has no eligible anchor.
-    """
-    anchors = select_anchors(sample.loss_mask, block_size, num_anchors, generator)
-    if anchors.numel() == 0:
-        return None
-    return make_block_batch(sample, anchors, block_size, mask_token_id)
 
 
 # ----------------------------------------------------------------------------- loss
@@ -194,40 +124,6 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
     )
 
 
-# ----------------------------------------------------------------------------- schedule & plan
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear warmup to 1, then cosine decay to 0 at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
-
-
-def total_steps(n_samples: int, tcfg: TrainConfig) -> int:
-    """Optimizer steps: epochs * ceil(n / batch_size), capped by max_steps."""
-    steps = tcfg.epochs * math.ceil(n_samples / tcfg.batch_size)
-    return min(steps, tcfg.max_steps) if tcfg.max_steps else steps
-
-
-def step_indices(step: int, n_samples: int, tcfg: TrainConfig) -> list[int]:
-    """Sample indices of optimizer step `step`: a seeded shuffle per epoch, cut in batches."""
-    per_epoch = math.ceil(n_samples / tcfg.batch_size)
-    epoch, k = divmod(step, per_epoch)
-    order = torch.randperm(n_samples, generator=torch.Generator().manual_seed(tcfg.seed * 100_003 + epoch))
-    return order[k * tcfg.batch_size : (k + 1) * tcfg.batch_size].tolist()
-
-
-def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
-    """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)
-
-
 # ----------------------------------------------------------------------------- one step
 
 
@@ -245,19 +141,28 @@ class _Run:
     out_dir: str
     meta: dict
     device: torch.device
+    env: DistEnv
+    lengths: list[int] | None
 
 
-def _train_step(run: _Run, seqs: list[FeatureSample], step: int) -> dict[str, Any]:
-    """One optimizer step over `seqs` (gradient accumulation, one sequence per forward)."""
+def _train_step(run: _Run, seqs: list[tuple[int, FeatureSample]], step: int) -> dict[str, Any]:
+    """One optimizer step over this rank's `(j, sequence)` pairs, j = place in the global batch.
+
+    Gradient accumulation, one sequence per forward; gradients summed over ranks.
+
+    Raises:
+        DraftflowError: the loss or the gradient is NaN/inf (nothing is updated).
+    """
     cfg, tcfg, B = run.drafter.config, run.tcfg, run.drafter.config.block_size
     batches = [
         build_training_batch(s, B, tcfg.num_anchors, anchor_generator(tcfg.seed, step, j), cfg.mask_token_id)
-        for j, s in enumerate(seqs)
+        for j, s in seqs
     ]
     batches = [b for b in batches if b is not None]
     weights = slot_weights(B, run.gamma)
-    # Normalise by the whole step's valid weight, known before any forward pass.
-    w_total = sum(float((weights * (b.labels.view(-1, B) != IGNORE)).sum()) for b in batches)
+    # Normalise by the whole (global) step's valid weight, known before any forward pass.
+    w_local = sum(float((weights * (b.labels.view(-1, B) != IGNORE)).sum()) for b in batches)
+    w_total = float(all_reduce_sum(torch.tensor([w_local], dtype=torch.float64), run.env))
     run.opt.zero_grad(set_to_none=True)
     stats = []
     for b in batches:
@@ -265,12 +170,40 @@ def _train_step(run: _Run, seqs: list[FeatureSample], step: int) -> dict[str, An
         logits = run.drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
         st = dflash_loss(logits, b.labels, B, run.gamma)
         if w_total > 0:
-            (st.weighted_sum / w_total).backward()
+            (st.weighted_sum / w_total).backward()  # summed over ranks by sync_gradients
         stats.append(st)
-    torch.nn.utils.clip_grad_norm_([p for p in run.drafter.parameters() if p.requires_grad], tcfg.grad_clip)
+    params = [p for p in run.drafter.parameters() if p.requires_grad]
+    if w_total > 0:
+        sync_gradients(params, run.env)
+    rec = _global_record(_step_record(stats, w_total, B, skipped=len(seqs) - len(batches)), run.env)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+    if (rec["loss"] is not None and not math.isfinite(rec["loss"])) or not torch.isfinite(grad_norm):
+        raise DraftflowError(
+            f"training diverged at step {step + 1}: loss {rec['loss']}, grad norm {float(grad_norm)}; "
+            "weights were not updated, the last good checkpoint is kept (lower train.lr or check the features)"
+        )
     run.opt.step()  # parameters without gradients (a step with no labels) are left untouched
     run.sched.step()
-    return _step_record(stats, w_total, B, skipped=len(seqs) - len(batches))
+    return rec
+
+
+def _global_record(rec: dict, env: DistEnv) -> dict:
+    """Sum a rank's step record over all ranks (identity on one process)."""
+    if env.world_size == 1:
+        return rec
+    n = len(rec["correct"])
+    loss_sum = 0.0 if rec["loss"] is None else rec["loss"]  # already divided by the global weight
+    flat = torch.tensor([loss_sum, rec["loss"] is not None, *rec["correct"], *rec["valid"], rec["leading"],
+                         rec["blocks"], rec["skipped"]], dtype=torch.float64)
+    flat = all_reduce_sum(flat, env).tolist()
+    return {
+        "loss": flat[0] if flat[1] > 0 else None,
+        "correct": flat[2 : 2 + n],
+        "valid": flat[2 + n : 2 + 2 * n],
+        "leading": flat[-3],
+        "blocks": int(flat[-2]),
+        "skipped": int(flat[-1]),
+    }
 
 
 def _step_record(stats: list[LossStats], w_total: float, block_size: int, skipped: int) -> dict:
@@ -287,7 +220,8 @@ def _step_record(stats: list[LossStats], w_total: float, block_size: int, skippe
 
 def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:
     """What a checkpoint must agree with to be resumed (device and cadence may change)."""
-    train = tcfg.model_dump(mode="json", exclude={"device", "checkpoint_every"})
+    launch = {"device", "checkpoint_every", "nproc_per_node", "nnodes", "rdzv_endpoint"}
+    train = tcfg.model_dump(mode="json", exclude=launch)  # the global batch, not its split
     ids = hashlib.sha256("\n".join(_sample_ids(samples)).encode()).hexdigest()
     return {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
 
@@ -335,32 +269,46 @@ def train_drafter(
     if not samples:
         raise ConfigError("no training samples: the extract stage produced no features")
     device = resolve_device(tcfg.device)
-    torch.manual_seed(tcfg.seed)  # drafter init
+    env = init_distributed(device)
+    if device.type == "cuda" and env.world_size > 1:
+        device = torch.device("cuda", env.local_rank)
+    torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
     drafter = DFlashDrafter(dcfg, target_model).to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     total = total_steps(len(samples), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
     gamma = tcfg.gamma or default_gamma(dcfg.block_size)
-    run = _Run(drafter, opt, sched, samples, tcfg, gamma, total, out_dir, _run_meta(samples, dcfg, tcfg), device)
+    meta = _run_meta(samples, dcfg, tcfg)
+    run = _Run(drafter, opt, sched, samples, tcfg, gamma, total, out_dir, meta, device, env, _lengths(samples))
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt, drafter, opt, sched, run.meta, device)
         logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
     _run_steps(run, state)
-    drafter.save(out_dir)
     metrics = _metrics(state, drafter)
-    (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if env.is_main:
+        drafter.save(out_dir)
+        (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def _lengths(samples) -> list[int] | None:
+    # An online source may expose `lengths`; without them its batches are not bucketed.
+    if isinstance(samples, list):
+        return [s.input_ids.numel() for s in samples]
+    return list(samples.lengths) if hasattr(samples, "lengths") else None
 
 
 def _run_steps(run: _Run, state: dict) -> None:
     log_every = max(1, run.total // 20)
     run.drafter.train()
     while state["step"] < run.total:
-        idx = step_indices(state["step"], len(run.samples), run.tcfg)
-        rec = _train_step(run, _take(run.samples, idx), state["step"])
+        idx = step_indices(state["step"], len(run.samples), run.tcfg, run.lengths)
+        mine = run.env.share(list(enumerate(idx)))  # (place in the global batch, sample index)
+        seqs = list(zip([j for j, _ in mine], _take(run.samples, [i for _, i in mine]), strict=True))
+        rec = _train_step(run, seqs, state["step"])
         state["step"] += 1
         state["history"].append(rec["loss"])
         state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
@@ -368,7 +316,8 @@ def _run_steps(run: _Run, state: dict) -> None:
         if state["step"] % log_every == 0 or state["step"] == run.total:
             lr = run.sched.get_last_lr()[0]
             logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
-        if state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total:
+        due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
+        if due and run.env.is_main:
             save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta)
 
 

@@ -14,6 +14,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.data.stats import table_rows
+from draftflow.metrics import metrics_table
 from draftflow.plan import check_space
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.curate import plan_parts
@@ -111,7 +112,10 @@ def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
     def work(store, fp):
         return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs,
                                                      features=features)
-    return run_stage(cfg, "train", inputs, work)
+    result = run_stage(cfg, "train", inputs, work)
+    publish_table(cfg, "train", "metrics", metrics_table(result["manifest"]["extra"].get("metrics") or {}),
+                  "Final training metrics: loss, tau estimate, accuracy per block position")
+    return result
 
 
 @flow(name="evaluate")

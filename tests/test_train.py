@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import draftflow.train as train_mod
 from draftflow.config import DrafterConfig, TrainConfig
-from draftflow.errors import ConfigError
+from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluate import capture_taps
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig
@@ -231,3 +231,54 @@ def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, sampl
     train_drafter(samples, target, dcfg, tcfg(max_steps=5), str(tmp_path))
     with pytest.raises(ConfigError, match="different settings"):
         train_drafter(samples, target, dcfg, tcfg(max_steps=5, lr=1e-3), str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- divergence and buckets
+
+
+def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, target, samples, dcfg):
+    real_loss, calls = train_mod.dflash_loss, []
+
+    def poisoned(logits, *args):  # the 7th forward (step 4, 2 sequences a step) returns NaN
+        calls.append(1)
+        return real_loss(logits * float("nan") if len(calls) == 7 else logits, *args)
+
+    monkeypatch.setattr(train_mod, "dflash_loss", poisoned)
+    with pytest.raises(DraftflowError, match="diverged at step 4"):
+        train_drafter(samples, target, dcfg, tcfg(checkpoint_every=2), str(tmp_path))
+    assert latest_checkpoint(tmp_path).name == "step_00000002"
+    for ckpt in (tmp_path / "checkpoints").glob("step_*"):
+        assert all(torch.isfinite(v).all() for v in load_file(str(ckpt / "model.safetensors")).values())
+    assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_length_buckets_are_deterministic_and_group_lengths():
+    lengths = [5, 100, 6, 101, 7, 102, 8, 103]
+    cfg = tcfg(batch_size=2)
+    steps = [step_indices(s, 8, cfg, lengths) for s in range(8)]
+    assert steps == [step_indices(s, 8, cfg, lengths) for s in range(8)]
+    for batch in steps:
+        assert max(lengths[i] for i in batch) - min(lengths[i] for i in batch) <= 3, batch
+    assert sorted(sum(steps[:4], [])) == list(range(8))  # an epoch covers every sample once
+    assert steps[:4] != steps[4:]  # epochs reshuffle
+
+
+def test_bucketed_resume_equals_uninterrupted(tmp_path, monkeypatch, target, samples, dcfg):
+    mixed = [FeatureSample(s.sample_id, s.input_ids[: 14 + i], s.loss_mask[: 14 + i], s.hidden[: 14 + i])
+             for i, s in enumerate(samples)]
+    full = train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "a"))
+    real_step, calls = train_mod._train_step, []
+
+    def preempted(*args, **kw):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("preempted")
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    with pytest.raises(RuntimeError, match="preempted"):
+        train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "b"))
+    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    assert train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "b")) == full
+    a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -16,15 +16,19 @@ What it does not know: how the features were captured (the caller passes
 them, tap i = DFlash layer id `target_layer_ids[i]`, see `draftflow.layers`),
 anchors, losses or decoding loops (see `draftflow.train`, `draftflow.evaluate`).
 
-Key trade-off: attention takes an explicit boolean mask (B, Q, C+Q), which is
-simple, exact and runs on CPU, but costs O(Q*(C+Q)) memory; a block-sparse
-backend (flex_attention) can be added to `ATTENTION_BACKENDS` later with the
-same signature. Parameter names follow HF Qwen3 (`layers.0.self_attn.q_proj`)
+Key trade-off: callers pass one explicit boolean mask (B, Q, C+Q) built by
+`block_attention_mask`, which is simple, exact and runs on CPU, but costs
+O(Q*(C+Q)) memory. Backends come from `ATTENTION_BACKENDS`: "sdpa" uses that
+mask directly; "flex" (flex_attention, compiled on CUDA) turns the same mask
+into a block-sparse `BlockMask` once per forward, so the rule has one
+definition. Sliding-window layers (`layer_types`) narrow that mask by
+positions (`sliding_window_mask`). Parameter names follow HF Qwen3 (`layers.0.self_attn.q_proj`)
 so export to other runtimes is a rename table.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError, StoreError
@@ -48,6 +53,7 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 # ----------------------------------------------------------------------------- config
@@ -70,7 +76,9 @@ class DFlashConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_target_layers: int
-    attn_backend: str = "sdpa"
+    attn_backend: str = "auto"  # "auto" = flex on CUDA, sdpa elsewhere
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
+    sliding_window: int | None = None
     architecture: str = field(default="DFlashDrafter")
 
     @property
@@ -118,6 +126,9 @@ class DFlashConfig:
             target_layer_ids=list(ids),
             mask_token_id=int(mask_id),
             num_target_layers=n_layers,
+            attn_backend=drafter.attn_backend,
+            layer_types=list(drafter.layer_types) if drafter.layer_types else None,
+            sliding_window=drafter.sliding_window,
         )
         cfg.validate()
         return cfg
@@ -133,10 +144,28 @@ class DFlashConfig:
             raise ConfigError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
         if self.block_size < 2:
             raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
-        if self.attn_backend not in ATTENTION_BACKENDS:
+        if self.attn_backend != "auto" and self.attn_backend not in ATTENTION_BACKENDS:
             raise ConfigError(
-                f"attention backend {self.attn_backend!r} unknown; choose from {sorted(ATTENTION_BACKENDS)}"
+                f"drafter.attn_backend {self.attn_backend!r} unknown; choose auto or one of "
+                f"{sorted(ATTENTION_BACKENDS)}"
             )
+        self._validate_layer_types()
+
+    def _validate_layer_types(self) -> None:
+        types = self.layer_types or []
+        if self.layer_types is not None and len(types) != self.num_layers:
+            raise ConfigError(
+                f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {self.num_layers}"
+            )
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
+        if "sliding_attention" in types and not (self.sliding_window or 0) >= 1:
+            raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
+
+    def layer_type(self, i: int) -> str:
+        """Attention kind of layer i ("full_attention" when `layer_types` is unset)."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +179,7 @@ class DFlashConfig:
             raise ConfigError(f"DFlash config has unknown keys {unknown}; was it written by draftflow?")
         cfg = cls(**data)
         cfg.target_layer_ids = list(cfg.target_layer_ids)
+        cfg.layer_types = list(cfg.layer_types) if cfg.layer_types else None
         cfg.validate()
         return cfg
 
@@ -180,6 +210,27 @@ def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -
     # DFlash: bidirectional inside a block (no causal mask), nothing across blocks.
     sees_block = q_block[:, None] == q_block[None, :]  # (Q, Q)
     return torch.cat([sees_ctx, sees_block], dim=1)
+
+
+def sliding_window_mask(full_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Narrow a `block_attention_mask` for a sliding-window layer, by absolute positions.
+
+    A query at position p keeps a key at position k iff the full rule allows it, k <= p
+    and p - k < window (the HF/vLLM sliding-window convention: the query itself counts).
+
+    Args:
+        full_mask: (B, Q, K) or (Q, K) bool from `block_attention_mask`.
+        q_pos: (B, Q) or (Q,) query positions; k_pos: (B, K) or (K,) key positions
+            (context positions, then block slot positions).
+        window: the layer's sliding window.
+
+    Returns:
+        A bool mask shaped like `full_mask`.
+    """
+    dist = q_pos[..., :, None] - k_pos[..., None, :]  # (..., Q, K) query pos - key pos
+    # DFlash (sliding layers): CAUSAL inside the block (k <= p), as vLLM serves them, and
+    # context only within the window; full layers stay bidirectional inside the block.
+    return full_mask & (dist >= 0) & (dist < window)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -223,7 +274,45 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     )
 
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa_attention}
+def dense_to_block_mask(mask: torch.Tensor) -> BlockMask:
+    """A flex `BlockMask` allowing exactly the True entries of a (B, Q, K) bool mask.
+
+    Built once per forward and mask kind; fully masked 128x128 tiles (other blocks,
+    far context) are skipped by flex_attention, which is where its speed comes from.
+    """
+    n_b, n_q, n_k = mask.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask[b, q_idx, kv_idx]
+
+    return create_block_mask(mask_mod, n_b, None, n_q, n_k, device=mask.device, _compile=mask.is_cuda)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """flex_attention over a `BlockMask` (a dense bool mask is converted first).
+
+    Compiled on CUDA; eager elsewhere (forward only: torch has no flex backward on CPU).
+    """
+    block_mask = mask if isinstance(mask, BlockMask) else dense_to_block_mask(mask)
+    fn = _compiled_flex() if q.is_cuda else flex_attention
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa_attention, "flex": flex_attention_backend}
+# How each backend wants the mask, prepared once per forward (not once per layer).
+MASK_PREPARERS: dict[str, Callable[[torch.Tensor], Any]] = {"sdpa": lambda m: m, "flex": dense_to_block_mask}
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """'auto' -> flex on CUDA, sdpa elsewhere; anything else as given."""
+    if name == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    return name
 
 
 # ----------------------------------------------------------------------------- Qwen3 blocks
@@ -262,7 +351,6 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.attn_fn = ATTENTION_BACKENDS[cfg.attn_backend]
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
@@ -270,8 +358,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # per head, as in Qwen3
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
-        """x (B, Q, D) block states; ctx (B, C, D) context; mask (B, Q, C+Q) -> (B, Q, D)."""
+    def forward(self, x, ctx, rope_q, rope_k, mask, attn_fn: AttentionFn):
+        """x (B, Q, D) block states; ctx (B, C, D) context; mask for keys (C+Q) -> (B, Q, D)."""
         B, Q, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, Q, self.n_head, self.hd)).transpose(1, 2)
         kv_in = torch.cat([ctx, x], dim=1)  # DFlash: context features are keys/values only
@@ -280,7 +368,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(B, K, self.n_kv, self.hd).transpose(1, 2)  # (B, Hkv, K, hd)
         q = apply_rope(q, *rope_q)  # block queries at their absolute positions
         k = apply_rope(k, *rope_k)  # context keys at theirs, then block keys
-        y = self.attn_fn(q, k, v, mask, self.scale)  # (B, H, Q, hd)
+        y = attn_fn(q, k, v, mask, self.scale)  # (B, H, Q, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.n_head * self.hd))
 
 
@@ -292,10 +380,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
+    def forward(self, x, ctx, rope_q, rope_k, mask, attn_fn):
         # DFlash: ctx is already normed by `hidden_norm`, so only the block goes through
         # input_layernorm; the same ctx enters every layer.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, attn_fn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -343,9 +431,19 @@ class DFlashDrafter(nn.Module):
         rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)  # (B, 1, Q, hd)
         key_pos = torch.cat([ctx_pos, block_pos], dim=1)  # (B, C+Q)
         rope_k = rope_cos_sin(key_pos, cfg.head_dim, cfg.rope_theta, dtype)
-        for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, attn_mask)
+        backend = resolve_backend(cfg.attn_backend, x.device)
+        masks = self._layer_masks(attn_mask, block_pos, key_pos, MASK_PREPARERS[backend])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, rope_q, rope_k, masks[cfg.layer_type(i)], ATTENTION_BACKENDS[backend])
         return self.norm(x)
+
+    def _layer_masks(self, attn_mask, block_pos, key_pos, prepare) -> dict[str, Any]:
+        """The full mask and, when some layer slides, its sliding-window narrowing."""
+        masks = {"full_attention": prepare(attn_mask)}
+        if "sliding_attention" in (self.config.layer_types or []):
+            window = self.config.sliding_window
+            masks["sliding_attention"] = prepare(sliding_window_mask(attn_mask, block_pos, key_pos, window))
+        return masks
 
     def forward(
         self,

@@ -21,7 +21,9 @@ import torch
 
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
+from draftflow.export import EXPORT_FILES, export_speculators, export_vllm_dflash
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
+from draftflow.metrics import write_metrics
 from draftflow.models.dflash import DFlashConfig
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, shard_entry
@@ -30,6 +32,7 @@ from draftflow.target import TargetRef, default_cache_dir, load_target, resolve_
 log = logging.getLogger(__name__)
 STAGE = "train"
 CHECKPOINT_FILES = ("model.safetensors", "config.json", "metrics.json")
+EXPORT_FORMATS = ("vllm", "speculators")  # serving exports, under export/<format>/
 
 
 def mask_token_id(tokenizer) -> int:
@@ -64,17 +67,33 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     out = work_dir(store, fp)
     metrics = train_drafter(samples, model, dcfg, cfg.train, out)
-    entries = []
-    for name in CHECKPOINT_FILES:
-        with store.writing(store.stage_path(STAGE, fp, "checkpoint", name)) as tmp:
-            Path(tmp).write_bytes((Path(out) / name).read_bytes())
-            entries.append(shard_entry(f"checkpoint/{name}", tmp, rows=0))
+    entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
+    # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
+    files = [commit_file(store, fp, out, f, f) for f in write_outputs(out, metrics, model.config,
+                                                                     cfg.target.path or target.path)]
     result = {"shard": None, "rejected": None, "rows_in": len(samples), "rows_out": len(samples), "dropped": {}}
     manifest_results = [result] + [{"shard": e | {"tokens": 0}, "rejected": None, "rows_in": 0, "rows_out": 0,
                                     "dropped": {}} for e in entries]
     extra = {"checkpoint": store.url(store.stage_path(STAGE, fp, "checkpoint")), "metrics": metrics,
-             "trained_tokens": tokens, "features": cfg.extract.mode}
+             "trained_tokens": tokens, "features": cfg.extract.mode,
+             "export": {fmt: store.url(store.stage_path(STAGE, fp, "export", fmt)) for fmt in EXPORT_FORMATS},
+             "files": files}
     return finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
+
+
+def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[str, Any]:
+    """Copy `out/local` to `train/<fp>/<name>` atomically; return its manifest entry (bytes, sha256)."""
+    with store.writing(store.stage_path(STAGE, fp, *name.split("/"))) as tmp:
+        Path(tmp).write_bytes((Path(out) / local).read_bytes())
+        return shard_entry(name, tmp, rows=0)
+
+
+def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, verifier: str) -> list[str]:
+    """Metrics files and both serving exports of the trained drafter in `out`; paths relative to it."""
+    export_vllm_dflash(out, Path(out) / "export" / "vllm", target_config)
+    export_speculators(out, Path(out) / "export" / "speculators", target_config, verifier=verifier)
+    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in EXPORT_FILES]
+    return write_metrics(out, metrics) + exports
 
 
 def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig,

@@ -1,0 +1,159 @@
+"""Training batches and the step plan: anchored blocks, epochs, buckets, schedule.
+
+Per sequence (DFlash paper, arXiv 2602.06036): up to `num_anchors` random anchors
+among supervised positions; block j = [token a_j, mask x (B-1)] at positions
+a_j..a_j+B-1; slot k's label is token a_j+k (slot 0, the given anchor, is not
+predicted). Every random choice derives from (seed, step), so a resumed run
+draws exactly what an uninterrupted one would. Knows nothing of the model's
+internals beyond the mask rule it imports, nor of the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from draftflow.config import TrainConfig
+from draftflow.features import FeatureSample
+from draftflow.models.dflash import block_attention_mask
+
+IGNORE = -100
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+@dataclass
+class BlockBatch:
+    """Drafter inputs and labels for one sequence; Q = n_blocks * B."""
+
+    anchors: torch.Tensor  # (N,) sorted anchor positions
+    block_ids: torch.Tensor  # (1, Q)
+    block_pos: torch.Tensor  # (1, Q)
+    ctx_hidden: torch.Tensor  # (1, T, n_taps*D)
+    ctx_pos: torch.Tensor  # (1, T)
+    attn_mask: torch.Tensor  # (1, Q, T+Q) bool
+    labels: torch.Tensor  # (1, Q) int64, IGNORE at slot 0 and unsupervised targets
+
+    def to(self, device: torch.device | str) -> BlockBatch:
+        return BlockBatch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def select_anchors(
+    loss_mask: torch.Tensor, block_size: int, num_anchors: int, generator: torch.Generator
+) -> torch.Tensor:
+    """Uniformly sample up to `num_anchors` anchors, sorted.
+
+    Eligible a: loss_mask[a] is set, a >= 1 (some context exists) and the block fits
+    (a + B <= T). Returns an empty (0,) tensor when none is eligible.
+    """
+    T = loss_mask.numel()
+    pos = torch.arange(T)
+    ok = loss_mask.bool().cpu() & (pos >= 1) & (pos + block_size <= T)
+    cand = pos[ok]
+    if cand.numel() > num_anchors:
+        cand = cand[torch.randperm(cand.numel(), generator=generator)[:num_anchors]]
+    return cand.sort().values
+
+
+def make_block_batch(sample: FeatureSample, anchors: torch.Tensor, block_size: int, mask_token_id: int) -> BlockBatch:
+    """Drafter inputs and labels for given anchors (see module docstring for the rule)."""
+    T, B = sample.input_ids.numel(), block_size
+    ids = sample.input_ids.to(torch.int64)
+    slot = torch.arange(B)  # (B,)
+    pos = anchors[:, None] + slot[None, :]  # (N, B) absolute position of every slot
+    block_ids = torch.full_like(pos, mask_token_id)
+    block_ids[:, 0] = ids[anchors]  # slot 0 holds the anchor token itself
+    # Slot k predicts the token at its own position a+k (no shift): label = ids[a+k].
+    labels = torch.where(sample.loss_mask.bool()[pos], ids[pos], IGNORE)
+    labels[:, 0] = IGNORE  # the anchor is given, not predicted
+    return BlockBatch(
+        anchors=anchors,
+        block_ids=block_ids.reshape(1, -1),
+        block_pos=pos.reshape(1, -1),
+        ctx_hidden=sample.hidden.reshape(1, T, -1),  # taps concatenated in tap order
+        ctx_pos=torch.arange(T)[None],
+        attn_mask=block_attention_mask(anchors, B, T)[None],
+        labels=labels.reshape(1, -1),
+    )
+
+
+def build_training_batch(
+    sample: FeatureSample,
+    block_size: int,
+    num_anchors: int,
+    generator: torch.Generator,
+    mask_token_id: int,
+) -> BlockBatch | None:
+    """Random anchors plus their blocks for one sequence.
+
+    Args:
+        sample: one sequence's ids, loss mask and (T, n_taps, D) tap features.
+        block_size: B.
+        num_anchors: at most this many blocks (paper: 512).
+        generator: the only source of randomness (anchor choice).
+        mask_token_id: id filling slots 1..B-1.
+
+    Returns:
+        A `BlockBatch`, or None when the sequence has no eligible anchor.
+    """
+    anchors = select_anchors(sample.loss_mask, block_size, num_anchors, generator)
+    if anchors.numel() == 0:
+        return None
+    return make_block_batch(sample, anchors, block_size, mask_token_id)
+
+
+# ----------------------------------------------------------------------------- schedule & plan
+
+
+def warmup_cosine(warmup_steps: int, total_steps: int):
+    """LR multiplier: linear warmup to 1, then cosine decay to 0 at `total_steps`."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def total_steps(n_samples: int, tcfg: TrainConfig) -> int:
+    """Optimizer steps: epochs * ceil(n / batch_size), capped by max_steps."""
+    steps = tcfg.epochs * math.ceil(n_samples / tcfg.batch_size)
+    return min(steps, tcfg.max_steps) if tcfg.max_steps else steps
+
+
+BUCKET_BATCHES = 16  # batches per length-sorted pool: similar lengths, still well mixed
+
+
+def step_indices(step: int, n_samples: int, tcfg: TrainConfig, lengths: list[int] | None = None) -> list[int]:
+    """Sample indices of optimizer step `step`: a seeded shuffle per epoch, cut in batches.
+
+    With `lengths`, batch_size > 1 and `tcfg.length_buckets`, the shuffled epoch is cut in
+    pools of BUCKET_BATCHES batches, each pool sorted by length and cut into batches, and
+    the batch order shuffled again: steps hold similar lengths. Everything derives from
+    (seed, epoch), so resume needs no state.
+    """
+    B = tcfg.batch_size
+    per_epoch = math.ceil(n_samples / B)
+    epoch, k = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(tcfg.seed * 100_003 + epoch)
+    order = torch.randperm(n_samples, generator=g).tolist()
+    if lengths is None or B == 1 or not tcfg.length_buckets:
+        return order[k * B : (k + 1) * B]
+    pool = B * BUCKET_BATCHES
+    batches = []
+    for i in range(0, n_samples, pool):
+        chunk = sorted(order[i : i + pool], key=lambda s: lengths[s])  # stable: ties keep shuffle order
+        batches += [chunk[j : j + B] for j in range(0, len(chunk), B)]
+    return batches[int(torch.randperm(len(batches), generator=g)[k])]
+
+
+def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
+    """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)
+
+
