@@ -5,6 +5,8 @@ clip, AdamW) on random features for a configurable drafter shape. Default: tiny,
 seconds. `--qwen3-8b`: the paper's shape (5 layers, D 4096, B 16, 512 anchors, seq
 3072), for one GPU:  python -m benchmarks.train --qwen3-8b --steps 10
 
+It prints the step's achieved FLOP/s against a dense matmul measured on the same
+device in the same run (the baseline), and on CUDA the MFU against the peak.
 MFU counts matmul FLOPs of the trainable drafter plus the frozen LM head
 (6 * params * tokens for trained weights, 4 * for the head, which needs input grads
 only) and attention (QK^T and PV over the keys each query may see), against the
@@ -74,6 +76,19 @@ def step_flops(run: _Run, shape: dict) -> float:
     return 6 * (trainable - run.drafter.fc.weight.numel()) * q + ctx_flops + 4 * head * q + attn
 
 
+def matmul_flops_per_s(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 5) -> float:
+    """The device's dense matmul throughput, measured now: the same-run baseline."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    sync()
+    return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--qwen3-8b", action="store_true", help="the paper's Qwen3-8B drafter shape")
@@ -95,8 +110,13 @@ def main() -> None:
     tokens = shape["anchors"] * shape["block"]
     print(f"shape={'qwen3-8b' if args.qwen3_8b else 'tiny'} device={device} step={dt * 1e3:.1f} ms "
           f"block tokens/s={tokens / dt:,.0f} context tokens/s={shape['seq'] / dt:,.0f}")
+    achieved = step_flops(run, shape) / dt
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    base = matmul_flops_per_s(device, dtype, 8192 if device.type == "cuda" else 1024)
+    print(f"achieved {achieved / 1e12:.3f} TFLOP/s  dense matmul baseline {base / 1e12:.3f} TFLOP/s  "
+          f"ratio {achieved / base:.2f}")
     if device.type == "cuda":
-        print(f"MFU={step_flops(run, shape) / dt / (args.peak_tflops * 1e12):.1%} (peak {args.peak_tflops} TFLOPS)")
+        print(f"MFU={achieved / (args.peak_tflops * 1e12):.1%} (peak {args.peak_tflops} TFLOPS)")
 
 
 if __name__ == "__main__":
