@@ -61,3 +61,15 @@ def test_a_source_with_only_bad_rows_stops_at_curate_with_one_clear_line(tmp_pat
     assert len(errors) == 1 and "curate kept no training conversations" in errors[0]
     assert "no_user_turn=1" in errors[0]
     assert not list((tmp_path / "r").glob("*/*/manifest.json"))  # nothing looks complete
+
+
+def test_s3_root_without_credentials_is_one_line(tmp_path):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "configs/tiny.yaml", "--set",
+                           "root=s3://draftflow-no-such-bucket/run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "draftflow: error: storage refused the request" in proc.stderr
