@@ -1,7 +1,8 @@
 """The DFlash drafter (arXiv 2602.06036): a small Qwen3-style block diffusion drafter.
 
-Read top to bottom: config, the attention-mask rule, RoPE, the attention
-backends table, the Qwen3 building blocks, then `DFlashDrafter`.
+Read top to bottom: RoPE, the Qwen3 building blocks, then `DFlashDrafter`.
+The config lives in `dflash_config.py`, the mask rule and attention backends in
+`attention.py` (both re-exported here).
 
 What DFlash changes relative to a Qwen3 decoder (each marked `# DFlash:`):
   * Input is a *block* [anchor token, mask x (B-1)] drafted in one forward pass,
@@ -28,12 +29,10 @@ so export to other runtimes is a rename table.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +40,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError, StoreError
-from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
+from draftflow.models.attention import (  # noqa: F401  (re-exported)
+    ATTENTION_BACKENDS,
+    MASK_PREPARERS,
+    AttentionFn,
+    block_attention_mask,
+    dense_to_block_mask,
+    flex_attention_backend,
+    resolve_backend,
+    sdpa_attention,
+    sliding_window_mask,
+)
+from draftflow.models.dflash_config import LAYER_TYPES, DFlashConfig  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -53,184 +61,6 @@ WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-# ----------------------------------------------------------------------------- config
-
-
-@dataclass
-class DFlashConfig:
-    """Drafter shape: dims copied from the target, depth and block from `DrafterConfig`."""
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    block_size: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    num_target_layers: int
-    attn_backend: str = "auto"  # "auto" = flex on CUDA, sdpa elsewhere
-    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
-    sliding_window: int | None = None
-    architecture: str = field(default="DFlashDrafter")
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @classmethod
-    def from_target(cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None) -> DFlashConfig:
-        """Build from the target's HF config and the run's `drafter` section.
-
-        Args:
-            target_config: the target's `transformers` config (Qwen3-like fields).
-            drafter: `DrafterConfig`; its `mask_token_id` wins over the argument.
-            mask_token_id: fallback mask id, normally `len(tokenizer)` (paper: Qwen3 151669).
-
-        Raises:
-            ConfigError: no mask id, a mask id outside the target's embedding, or bad taps.
-        """
-        n_layers = int(target_config.num_hidden_layers)
-        if getattr(target_config, "rope_scaling", None):
-            logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", target_config.rope_scaling)
-        ids = drafter.target_layer_ids or default_dflash_layer_ids(n_layers, drafter.num_taps)
-        validate_layer_ids(ids, n_layers)
-        if len(ids) != drafter.num_taps:
-            raise ConfigError(
-                f"drafter.target_layer_ids has {len(ids)} ids but drafter.num_taps is "
-                f"{drafter.num_taps}; make them agree"
-            )
-        mask_id = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
-        if mask_id is None:
-            raise ConfigError("no mask token id: set drafter.mask_token_id or pass len(tokenizer)")
-        heads = int(target_config.num_attention_heads)
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
-        cfg = cls(
-            hidden_size=int(target_config.hidden_size),
-            num_layers=drafter.num_layers,
-            num_heads=heads,
-            num_kv_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(target_config.intermediate_size),
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=float(getattr(target_config, "rope_theta", 10000.0)),
-            vocab_size=int(target_config.vocab_size),
-            block_size=drafter.block_size,
-            target_layer_ids=list(ids),
-            mask_token_id=int(mask_id),
-            num_target_layers=n_layers,
-            attn_backend=drafter.attn_backend,
-            layer_types=list(drafter.layer_types) if drafter.layer_types else None,
-            sliding_window=drafter.sliding_window,
-        )
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        """Raise ConfigError when the fields cannot make a drafter."""
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ConfigError(
-                f"drafter.mask_token_id={self.mask_token_id} is outside the target's embedding "
-                f"({self.vocab_size} rows); pick an id < {self.vocab_size} or resize the target"
-            )
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
-        if self.block_size < 2:
-            raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
-        if self.attn_backend != "auto" and self.attn_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(
-                f"drafter.attn_backend {self.attn_backend!r} unknown; choose auto or one of "
-                f"{sorted(ATTENTION_BACKENDS)}"
-            )
-        self._validate_layer_types()
-
-    def _validate_layer_types(self) -> None:
-        types = self.layer_types or []
-        if self.layer_types is not None and len(types) != self.num_layers:
-            raise ConfigError(
-                f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {self.num_layers}"
-            )
-        bad = sorted(set(types) - set(LAYER_TYPES))
-        if bad:
-            raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
-        if "sliding_attention" in types and not (self.sliding_window or 0) >= 1:
-            raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
-
-    def layer_type(self, i: int) -> str:
-        """Attention kind of layer i ("full_attention" when `layer_types` is unset)."""
-        return self.layer_types[i] if self.layer_types else "full_attention"
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
-        """Inverse of `to_dict`; unknown keys are an error, not ignored."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"DFlash config has unknown keys {unknown}; was it written by draftflow?")
-        cfg = cls(**data)
-        cfg.target_layer_ids = list(cfg.target_layer_ids)
-        cfg.layer_types = list(cfg.layer_types) if cfg.layer_types else None
-        cfg.validate()
-        return cfg
-
-
-# ----------------------------------------------------------------------------- mask rule
-
-
-def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
-    """Which keys each block query may see (True = attend).
-
-    Keys are laid out [context positions 0..C-1, then all Q = N*B block slots].
-
-    Args:
-        anchors: (N,) int anchor positions a_j, one block each.
-        block_size: B.
-        ctx_len: C, number of context positions (features at positions 0..C-1).
-
-    Returns:
-        (N*B, C + N*B) bool.
-    """
-    n_q = anchors.numel() * block_size
-    q_block = torch.arange(n_q, device=anchors.device) // block_size  # (Q,) block of each query
-    ctx_pos = torch.arange(ctx_len, device=anchors.device)  # (C,)
-    # DFlash: context strictly before the anchor (`<`, not `<=`). The feature at a_j is the
-    # target's state after reading token a_j; at inference the anchor is the target's fresh
-    # output, which it has not read yet, so that feature does not exist then.
-    sees_ctx = ctx_pos[None, :] < anchors[q_block][:, None]  # (Q, C)
-    # DFlash: bidirectional inside a block (no causal mask), nothing across blocks.
-    sees_block = q_block[:, None] == q_block[None, :]  # (Q, Q)
-    return torch.cat([sees_ctx, sees_block], dim=1)
-
-
-def sliding_window_mask(full_mask: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """Narrow a `block_attention_mask` for a sliding-window layer, by absolute positions.
-
-    A query at position p keeps a key at position k iff the full rule allows it, k <= p
-    and p - k < window (the HF/vLLM sliding-window convention: the query itself counts).
-
-    Args:
-        full_mask: (B, Q, K) or (Q, K) bool from `block_attention_mask`.
-        q_pos: (B, Q) or (Q,) query positions; k_pos: (B, K) or (K,) key positions
-            (context positions, then block slot positions).
-        window: the layer's sliding window.
-
-    Returns:
-        A bool mask shaped like `full_mask`.
-    """
-    dist = q_pos[..., :, None] - k_pos[..., None, :]  # (..., Q, K) query pos - key pos
-    # DFlash (sliding layers): CAUSAL inside the block (k <= p), as vLLM serves them, and
-    # context only within the window; full layers stay bidirectional inside the block.
-    return full_mask & (dist >= 0) & (dist < window)
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -258,61 +88,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate (B, H, L, hd) by the tables (HF's rotate_half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-# ----------------------------------------------------------------------------- attention backends
-
-# One signature: q (B, H, Q, hd), k/v (B, Hkv, K, hd), mask (B, Q, K) bool, scale -> (B, H, Q, hd).
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """PyTorch SDPA with an explicit boolean mask; GQA by kv-head broadcasting."""
-    # Every query sees at least its own block, so no mask row is all False (no NaN rows).
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-
-
-def dense_to_block_mask(mask: torch.Tensor) -> BlockMask:
-    """A flex `BlockMask` allowing exactly the True entries of a (B, Q, K) bool mask.
-
-    Built once per forward and mask kind; fully masked 128x128 tiles (other blocks,
-    far context) are skipped by flex_attention, which is where its speed comes from.
-    """
-    n_b, n_q, n_k = mask.shape
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return mask[b, q_idx, kv_idx]
-
-    return create_block_mask(mask_mod, n_b, None, n_q, n_k, device=mask.device, _compile=mask.is_cuda)
-
-
-@functools.cache
-def _compiled_flex() -> Callable[..., torch.Tensor]:
-    return torch.compile(flex_attention, dynamic=True)
-
-
-def flex_attention_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, scale: float) -> torch.Tensor:
-    """flex_attention over a `BlockMask` (a dense bool mask is converted first).
-
-    Compiled on CUDA; eager elsewhere (forward only: torch has no flex backward on CPU).
-    """
-    block_mask = mask if isinstance(mask, BlockMask) else dense_to_block_mask(mask)
-    fn = _compiled_flex() if q.is_cuda else flex_attention
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-
-
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {"sdpa": sdpa_attention, "flex": flex_attention_backend}
-# How each backend wants the mask, prepared once per forward (not once per layer).
-MASK_PREPARERS: dict[str, Callable[[torch.Tensor], Any]] = {"sdpa": lambda m: m, "flex": dense_to_block_mask}
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """'auto' -> flex on CUDA, sdpa elsewhere; anything else as given."""
-    if name == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    return name
 
 
 # ----------------------------------------------------------------------------- Qwen3 blocks

@@ -1,0 +1,149 @@
+"""DFlash drafter config: shape from the target's HF config plus the run's `drafter` section.
+
+Validated at construction: taps against the target's depth, the mask token
+against the embedding, layer types and the attention backend by name. Knows
+nothing of modules or weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from draftflow.config import DrafterConfig
+from draftflow.errors import ConfigError
+from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
+from draftflow.models.attention import ATTENTION_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class DFlashConfig:
+    """Drafter shape: dims copied from the target, depth and block from `DrafterConfig`."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_target_layers: int
+    attn_backend: str = "auto"  # "auto" = flex on CUDA, sdpa elsewhere
+    layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
+    sliding_window: int | None = None
+    architecture: str = field(default="DFlashDrafter")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None) -> DFlashConfig:
+        """Build from the target's HF config and the run's `drafter` section.
+
+        Args:
+            target_config: the target's `transformers` config (Qwen3-like fields).
+            drafter: `DrafterConfig`; its `mask_token_id` wins over the argument.
+            mask_token_id: fallback mask id, normally `len(tokenizer)` (paper: Qwen3 151669).
+
+        Raises:
+            ConfigError: no mask id, a mask id outside the target's embedding, or bad taps.
+        """
+        n_layers = int(target_config.num_hidden_layers)
+        if getattr(target_config, "rope_scaling", None):
+            logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", target_config.rope_scaling)
+        ids = drafter.target_layer_ids or default_dflash_layer_ids(n_layers, drafter.num_taps)
+        validate_layer_ids(ids, n_layers)
+        if len(ids) != drafter.num_taps:
+            raise ConfigError(
+                f"drafter.target_layer_ids has {len(ids)} ids but drafter.num_taps is "
+                f"{drafter.num_taps}; make them agree"
+            )
+        mask_id = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
+        if mask_id is None:
+            raise ConfigError("no mask token id: set drafter.mask_token_id or pass len(tokenizer)")
+        heads = int(target_config.num_attention_heads)
+        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
+        cfg = cls(
+            hidden_size=int(target_config.hidden_size),
+            num_layers=drafter.num_layers,
+            num_heads=heads,
+            num_kv_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(target_config.intermediate_size),
+            rms_norm_eps=float(target_config.rms_norm_eps),
+            rope_theta=float(getattr(target_config, "rope_theta", 10000.0)),
+            vocab_size=int(target_config.vocab_size),
+            block_size=drafter.block_size,
+            target_layer_ids=list(ids),
+            mask_token_id=int(mask_id),
+            num_target_layers=n_layers,
+            attn_backend=drafter.attn_backend,
+            layer_types=list(drafter.layer_types) if drafter.layer_types else None,
+            sliding_window=drafter.sliding_window,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ConfigError when the fields cannot make a drafter."""
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(
+                f"drafter.mask_token_id={self.mask_token_id} is outside the target's embedding "
+                f"({self.vocab_size} rows); pick an id < {self.vocab_size} or resize the target"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+        if self.block_size < 2:
+            raise ConfigError(f"drafter.block_size must be >= 2, got {self.block_size}")
+        if self.attn_backend != "auto" and self.attn_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"drafter.attn_backend {self.attn_backend!r} unknown; choose auto or one of "
+                f"{sorted(ATTENTION_BACKENDS)}"
+            )
+        self._validate_layer_types()
+
+    def _validate_layer_types(self) -> None:
+        types = self.layer_types or []
+        if self.layer_types is not None and len(types) != self.num_layers:
+            raise ConfigError(
+                f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {self.num_layers}"
+            )
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
+        if "sliding_attention" in types and not (self.sliding_window or 0) >= 1:
+            raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
+
+    def layer_type(self, i: int) -> str:
+        """Attention kind of layer i ("full_attention" when `layer_types` is unset)."""
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
+        """Inverse of `to_dict`; unknown keys are an error, not ignored."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"DFlash config has unknown keys {unknown}; was it written by draftflow?")
+        cfg = cls(**data)
+        cfg.target_layer_ids = list(cfg.target_layer_ids)
+        cfg.layer_types = list(cfg.layer_types) if cfg.layer_types else None
+        cfg.validate()
+        return cfg
