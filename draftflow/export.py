@@ -31,17 +31,22 @@ by `load_exported`, so a name vLLM would not recognise fails the export, not the
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from draftflow.errors import StoreError
-from draftflow.models.dflash import CONFIG_NAME, SHARED_PREFIXES, WEIGHTS_NAME, DFlashConfig, DFlashDrafter
+from draftflow.models.dflash import (
+    CONFIG_NAME,
+    SHARED_PREFIXES,
+    WEIGHTS_NAME,
+    DFlashConfig,
+    DFlashDrafter,
+    write_weights_and_config,
+)
 
 # draftflow parameter-name prefix -> exported (vLLM / speculators) prefix. Every exported
 # tensor must match one entry; the shared embedding and LM head are never exported.
@@ -165,19 +170,8 @@ def _read_checkpoint(checkpoint_dir: str | Path) -> tuple[DFlashConfig, dict[str
     return cfg, load_file(str(folder / WEIGHTS_NAME))
 
 
-def _atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _write(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = export_state_dict(weights)
-    _atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _atomic(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(config, indent=2, sort_keys=True)))
-    return out
+    return write_weights_and_config(out_dir, export_state_dict(weights), config)
 
 
 def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any) -> Path:

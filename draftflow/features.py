@@ -23,7 +23,6 @@ This module knows nothing of models, engines or stages.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
@@ -36,6 +35,7 @@ import fsspec
 import torch
 
 from draftflow.errors import StoreError
+from draftflow.store import sha256_file
 
 FORMAT = "draftflow.features.v2"
 STORED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8": torch.float8_e4m3fn}
@@ -170,12 +170,9 @@ def merge_feature_shards(path: str | Path, parts: list[FeatureShard], sample_ids
 # -- reading -------------------------------------------------------------------------------------
 def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
     """sha256 of a local or fsspec file (a path on `fs` when given), streamed."""
-    h = hashlib.sha256()
-    opened = fs.open(path, "rb") if fs is not None else fsspec.open(path, "rb", **(storage_options or {}))
-    with opened as fh:
-        for chunk in iter(lambda: fh.read(8 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(str(path), **(storage_options or {}))
+    return sha256_file(path, fs)
 
 
 class FeatureShard:

@@ -35,12 +35,26 @@ MANIFEST = "manifest.json"
 SHA_ON_REUSE_MAX_BYTES = 64 << 20
 
 
-def sha256_file(path: str | Path) -> str:
+def sha256_file(path: str | Path, fs=None) -> str:
+    """sha256 of a file, streamed: a local path, or a path on the fsspec filesystem `fs`."""
     h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
+    with (fs.open(path, "rb") if fs is not None else open(path, "rb")) as fh:
+        for chunk in iter(lambda: fh.read(8 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """Local cache for built targets, downloaded shards and remote work folders."""
+    return Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow"))
+
+
+def write_local_atomic(path: str | Path, write) -> None:
+    """`write(tmp)` to a temporary name beside `path`, then rename over it: whole or absent."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -141,7 +155,7 @@ class Store:
         """
         if self.is_local:
             return path
-        cache = Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow")) / "store"
+        cache = default_cache_dir() / "store"
         key = hashlib.sha256(f"{path}\0{sha256 or ''}".encode()).hexdigest()[:24]
         local = cache / key / os.path.basename(path)
         if not local.exists():

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
+from draftflow.store import default_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ class TargetRef:
 
     path: str
     fingerprint: str
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow"))
 
 
 def folder_fingerprint(path: Path) -> str:

@@ -51,6 +51,7 @@ from draftflow.distributed import DistEnv, all_reduce_sum, init_distributed, syn
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.target import resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -239,13 +240,6 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
     return samples.take(idx) if hasattr(samples, "take") else [samples[i] for i in idx]
 
 
-def resolve_device(name: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; anything else as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def train_drafter(
     samples: list[FeatureSample], target_model, dcfg: DFlashConfig, tcfg: TrainConfig, out_dir: str, resume: bool = True
 ) -> dict:
@@ -268,7 +262,7 @@ def train_drafter(
     """
     if not samples:
         raise ConfigError("no training samples: the extract stage produced no features")
-    device = resolve_device(tcfg.device)
+    device = torch.device(resolve_device(tcfg.device))
     env = init_distributed(device)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)

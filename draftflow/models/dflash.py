@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +52,7 @@ from draftflow.models.attention import (  # noqa: F401  (re-exported)
     sliding_window_mask,
 )
 from draftflow.models.dflash_config import LAYER_TYPES, DFlashConfig  # noqa: F401  (re-exported)
+from draftflow.store import write_local_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -258,12 +257,8 @@ class DFlashDrafter(nn.Module):
 
     def save(self, out_dir: str | Path) -> None:
         """Write `model.safetensors` (trainable weights only) and `config.json` to a local dir."""
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
-        _atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-        text = json.dumps(self.config.to_dict(), indent=2, sort_keys=True)
-        _atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
+        write_weights_and_config(out_dir, tensors, self.config.to_dict())
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> DFlashDrafter:
@@ -302,8 +297,11 @@ def _check_shared(cfg: DFlashConfig, embed: nn.Module, head: nn.Module | None) -
         )
 
 
-def _atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    """Write through a temporary name, then rename over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+def write_weights_and_config(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`model.safetensors` + `config.json` in a local folder, each written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_local_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    text = json.dumps(config, indent=2, sort_keys=True)
+    write_local_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    return out

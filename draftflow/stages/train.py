@@ -26,8 +26,8 @@ from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.metrics import write_metrics
 from draftflow.models.dflash import DFlashConfig
 from draftflow.stages.common import data_shards, finalize
-from draftflow.store import Store, shard_entry
-from draftflow.target import TargetRef, default_cache_dir, load_target, resolve_device
+from draftflow.store import Store, default_cache_dir, shard_entry
+from draftflow.target import TargetRef, load_target, resolve_device
 
 log = logging.getLogger(__name__)
 STAGE = "train"
