@@ -51,15 +51,25 @@ def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, st
     return store, fp, store.read_manifest(stage, fp)
 
 
-def map_shards(task_fn, store: Store, stage: str, shards: list[dict], **kwargs: Any) -> list[dict]:
-    """Run one task per shard; a cached result whose shard file is gone is recomputed."""
+def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
+               verify: Callable[[list[dict]], set[str]] | None = None, **kwargs: Any) -> list[dict]:
+    """Run one task per shard; a result taken from the cache whose shard file is gone, or fails
+    `verify` (shard entries -> names of bad ones, e.g. a sha256 check), is recomputed.
+
+    Freshly computed shards are not re-checked: their task just hashed what it wrote.
+    """
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
-    results = [f.result() for f in task_fn.map(shard=shards, **fixed)]
+    futures = task_fn.map(shard=shards, **fixed)
+    results = [f.result() for f in futures]
     stage_dir = store.stage_path(stage, kwargs["fp"])
+    cached = [r["shard"] for f, r in zip(futures, results) if f.state.name == "Cached" and r["shard"]]
+    bad = {e["name"] for e in cached if not store.exists(f"{stage_dir}/{e['name']}")}
+    if verify is not None:
+        bad |= set(verify([e for e in cached if e["name"] not in bad]))
     for i, r in enumerate(results):
-        if r["shard"] and not store.exists(f"{stage_dir}/{r['shard']['name']}"):
-            get_run_logger().warning("cached shard %s is missing; recomputing", r["shard"]["name"])
+        if r["shard"] and r["shard"]["name"] in bad:
+            get_run_logger().warning("cached shard %s is missing or damaged; recomputing", r["shard"]["name"])
             results[i] = task_fn.with_options(refresh_cache=True)(shard=shards[i], **kwargs)
     return results
 

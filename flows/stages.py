@@ -25,7 +25,7 @@ from draftflow.stages.tokenize import write_vocab_files
 from draftflow.stages.train import online_manifest
 from draftflow.store import MANIFEST
 from draftflow.target import TargetRef
-from flows.common import map_shards, publish_table, reuse, run_stage, with_storage
+from flows.common import map_shards, publish_table, reuse, run_stage
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
 
@@ -96,11 +96,9 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
             return online_manifest(store, fp, cfg, inputs, tokenized)
         check_space(cfg, tokenized["manifest"], target_ref(target), fp=fp)  # before any shard
         shards = data_shards(tokenized["manifest"], "train")
-        kw = dict(cfg=cfg, fp=fp, target=target, input_fp=tokenized["fingerprint"])
-        results = map_shards(T.extract_shard, store, "extract", shards, **kw)
-        bad = set(bad_shards(store, fp, [r["shard"] for r in results]))
-        rerun = with_storage(T.extract_shard, store).with_options(refresh_cache=True)
-        results = [rerun(shard=s, **kw) if r["shard"]["name"] in bad else r for s, r in zip(shards, results)]
+        results = map_shards(T.extract_shard, store, "extract", shards,
+                             verify=lambda entries: set(bad_shards(store, fp, entries)),
+                             cfg=cfg, fp=fp, target=target, input_fp=tokenized["fingerprint"])
         return finalize(store, "extract", fp, cfg, inputs, results)
     return run_stage(cfg, "extract", inputs, work)
 

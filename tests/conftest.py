@@ -69,6 +69,40 @@ def prefect_harness():
             yield
 
 
+# The code-built tiny target below has 320 embedding rows: id 300 is an (untrained) row the
+# drafter tests use as the DFlash mask token; B is their block size.
+MASK_ID = 300
+B = 4
+
+
+@pytest.fixture(scope="module")
+def dcfg(target):
+    """A 1-layer, block-4, 3-tap drafter config for the code-built tiny target."""
+    from draftflow.config import DrafterConfig
+    from draftflow.models.dflash import DFlashConfig
+
+    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
+
+
+def run_front(cfg, tiny_target):
+    """curate -> regenerate -> tokenize of the first train shard, through the library.
+
+    Returns:
+        (store, curate shard, regenerate fingerprint, regenerate result, tokenize result)
+    """
+    from draftflow.stages import curate, regenerate, tokenize
+    from draftflow.stages.common import fingerprint, manifest_digest
+    from draftflow.store import Store
+
+    store = Store(cfg.root)
+    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
+    rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
+    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
+    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, cm["fingerprint"], shard)
+    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, rfp, rres["shard"])
+    return store, shard, rfp, rres, tres
+
+
 @pytest.fixture(scope="module")
 def target():
     """A tiny random Qwen3 target built in code (6 layers, hidden 64, vocab 320)."""

@@ -23,8 +23,7 @@ from draftflow.models.dflash import (
     block_attention_mask,
     rope_cos_sin,
 )
-
-MASK_ID = 300
+from tests.conftest import MASK_ID
 
 
 @pytest.fixture(scope="module")

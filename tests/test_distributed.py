@@ -17,8 +17,7 @@ from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig
 from draftflow.train import train_drafter
-
-MASK_ID = 300
+from tests.conftest import MASK_ID
 
 
 def _cfgs(target):

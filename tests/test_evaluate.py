@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import draftflow.evaluate as ev
-from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig
+from draftflow.config import EvaluateConfig, TrainConfig
 from draftflow.errors import LosslessError
 from draftflow.evaluate import (
     acceptance_stats,
@@ -17,16 +17,9 @@ from draftflow.evaluate import (
     speculative_generate,
 )
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.dflash import DFlashDrafter
 from draftflow.train import make_block_batch, train_drafter
-
-MASK_ID = 300
-B = 4
-
-
-@pytest.fixture(scope="module")
-def dcfg(target):
-    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
+from tests.conftest import MASK_ID, B
 
 
 @pytest.fixture(scope="module")

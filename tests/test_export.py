@@ -16,8 +16,8 @@ from draftflow.export import (
     load_exported,
 )
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from tests.conftest import MASK_ID
 
-MASK_ID = 300
 BLOCK = 4
 
 

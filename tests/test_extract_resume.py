@@ -14,8 +14,7 @@ import torch
 from draftflow.errors import StoreError
 from draftflow.features import FeatureShard
 from draftflow.stages import extract
-from tests.conftest import tiny_config
-from tests.test_stages import _run_front
+from tests.conftest import run_front, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
@@ -41,7 +40,7 @@ extract.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), "
 def front(tmp_path_factory, tiny_target):
     cfg = tiny_config(tmp_path_factory.mktemp("extract") / "run", "extract.checkpoint_every=3",
                       "extract.batch_size=2")
-    store, _, _, _, tres = _run_front(cfg, tiny_target)
+    store, _, _, _, tres = run_front(cfg, tiny_target)
     reference = extract.run_shard(store, "reference", cfg, tiny_target, "tokfp", tres["shard"])
     return cfg, store, tres["shard"], reference
 

@@ -16,8 +16,7 @@ from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask, sliding_window_mask
 from draftflow.train import dflash_loss, make_block_batch
-
-MASK_ID, B = 300, 4
+from tests.conftest import MASK_ID, B
 
 
 def make_drafter(target, **over):

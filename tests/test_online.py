@@ -9,23 +9,17 @@ import torch
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureShard
 from draftflow.plan import preflight
-from draftflow.stages import curate, extract, regenerate, tokenize
+from draftflow.stages import extract
 from draftflow.stages import train as train_stage
 from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.store import Store
-from tests.conftest import tiny_config
+from tests.conftest import run_front, tiny_config
 
 
 @pytest.fixture(scope="module")
 def front(tmp_path_factory, tiny_target):
     """curate -> regenerate -> tokenize on one train shard of the tiny run."""
     cfg = tiny_config(tmp_path_factory.mktemp("online") / "run")
-    store = Store(cfg.root)
-    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
-    rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, cm["fingerprint"], shard)
-    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, rfp, rres["shard"])
+    store, _, _, _, tres = run_front(cfg, tiny_target)
     return cfg, store, tres["shard"]
 
 

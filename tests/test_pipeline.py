@@ -122,3 +122,25 @@ def test_failed_shard_is_the_only_one_recomputed(prefect_harness, tmp_path, monk
     assert calls == ["train-00002.parquet"]  # the finished shards came from the Prefect cache
     assert [s["status"] for s in summary["stages"]][:4] == ["reused", "reused", "reused", "ran"]
     assert os.path.exists(Path(summary["stages"][3]["path"]) / "train-00002.safetensors")
+
+
+def test_a_cached_shard_damaged_in_place_is_recomputed(prefect_harness, tmp_path, monkeypatch):
+    import draftflow.stages.extract as extract_lib
+    from flows.pipeline import pipeline
+
+    cfg = tiny_config(tmp_path / "run")
+    first = pipeline(cfg)
+    extract_dir = Path(first["stages"][3]["path"])
+    shard = extract_dir / "train-00001.safetensors"
+    original = sha256_file(shard)
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes: only a checksum can tell
+    shard.write_bytes(bytes(data))
+    (extract_dir / "manifest.json").unlink()  # the stage must be rebuilt from its (cached) shard tasks
+    calls: list[str] = []
+    real = extract_lib.run_shard
+    monkeypatch.setattr(extract_lib, "run_shard", lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    again = pipeline(cfg)
+    assert calls == ["train-00001.parquet"]  # the other shards came from the cache
+    assert sha256_file(shard) == original
+    assert again["stages"][3]["status"] == "ran" and again["tau"] == first["tau"]

@@ -8,9 +8,9 @@ from draftflow.dialogs import plan_dialog, split_reasoning
 from draftflow.engines import SamplingParams
 from draftflow.engines.hf import HFEngine
 from draftflow.features import FeatureShard
-from draftflow.stages import curate, extract, regenerate, tokenize
-from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.store import Store
+from draftflow.stages import extract
+from draftflow.stages.common import fingerprint
+from tests.conftest import run_front
 
 
 def test_plan_dialog_regenerates_every_assistant_turn_in_place():
@@ -36,18 +36,8 @@ def test_batched_generation_equals_one_by_one(tiny_target):
     assert all(t < len(engine.tokenizer) for c in batched for t in c.ids)
 
 
-def _run_front(cfg, tiny_target):
-    store = Store(cfg.root)
-    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
-    rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, cm["fingerprint"], shard)
-    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, rfp, rres["shard"])
-    return store, shard, rfp, rres, tres
-
-
 def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_target):
-    store, shard, rfp, rres, tres = _run_front(tiny_cfg, tiny_target)
+    store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
     regen = read_rows(store.stage_path("regenerate", rfp, rres["shard"]["name"]))
     src = read_rows(store.stage_path("curate", fingerprint("curate", tiny_cfg, {}), shard["name"]))
     assert len(regen) == len(src) == rres["rows_out"]
@@ -76,7 +66,7 @@ def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_
 
 
 def test_extract_matches_hf_hidden_states_at_l_plus_1(tiny_cfg, tiny_target):
-    store, shard, rfp, rres, tres = _run_front(tiny_cfg, tiny_target)
+    store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
     cfg = tiny_cfg.model_copy(update={"extract": tiny_cfg.extract.model_copy(update={"dtype": "float32"})})
     eres = extract.run_shard(store, "exfp", cfg, tiny_target, "tokfp", tres["shard"])
     fs = FeatureShard(store.stage_path("extract", "exfp", eres["shard"]["name"]))

@@ -9,11 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 import draftflow.train as train_mod
-from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluate import capture_taps
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig
 from draftflow.train import (
     IGNORE,
     build_training_batch,
@@ -27,14 +26,7 @@ from draftflow.train import (
     train_drafter,
     warmup_cosine,
 )
-
-MASK_ID = 300
-B = 4
-
-
-@pytest.fixture(scope="module")
-def dcfg(target):
-    return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
+from tests.conftest import MASK_ID, B
 
 
 @pytest.fixture(scope="module")
