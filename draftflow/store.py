@@ -11,7 +11,6 @@ the manifest is written last. This module knows nothing of what shards hold.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -66,24 +65,21 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
-@functools.lru_cache(maxsize=1)
-def code_version() -> str:
-    """The package version plus a hash of the library's source files.
+def code_version(stage: str | None = None) -> str:
+    """The package version plus a hash of the library source a stage depends on.
 
-    Any edit to the library gives new fingerprints: conservative (a comment
-    change recomputes) but never stale.
+    With a stage: its module and everything it imports (`draftflow.codehash`), so an edit
+    to the trainer never recomputes curation or features. Without: every source file.
+    Conservative (a comment change recomputes the stages that import it) but never stale.
     """
-    root = Path(__file__).parent
-    h = hashlib.sha256(__version__.encode())
-    for f in sorted(root.rglob("*.py")):
-        h.update(str(f.relative_to(root)).encode())
-        h.update(f.read_bytes())
-    return f"{__version__}+{h.hexdigest()[:12]}"
+    from draftflow.codehash import library_hash, stage_code_hash
+
+    return f"{__version__}+{stage_code_hash(stage) if stage else library_hash()}"
 
 
 def stage_fingerprint(stage: str, sections: dict[str, Any], inputs: dict[str, str]) -> str:
-    """Contract 1: hash of (config sections, input manifest digests, code version)."""
-    return digest({"stage": stage, "config": sections, "inputs": inputs, "code": code_version()})[:16]
+    """Contract 1: hash of (config sections, input manifest digests, the stage's code version)."""
+    return digest({"stage": stage, "config": sections, "inputs": inputs, "code": code_version(stage)})[:16]
 
 
 class Store:

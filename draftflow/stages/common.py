@@ -80,7 +80,7 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
     manifest = {
         "stage": stage,
         "fingerprint": fp,
-        "code_version": code_version(),
+        "code_version": code_version(stage),
         "config": {name: cfg.section(name) for name in STAGE_SECTIONS[stage]},
         "inputs": inputs,
         "shards": [r["shard"] for r in results if r["shard"]],

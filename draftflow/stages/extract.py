@@ -12,9 +12,10 @@ Resume: at shard granularity through the task cache; inside a shard, every
 parts. The final shard is the parts merged by byte copy, in input order; the
 parts are then removed.
 
-Corruption: `bad_shards` hashes a stage's feature shards against the manifest;
-the extract flow runs it before reusing the stage and re-runs the shards that
-fail (a truncated file also fails `FeatureShard`'s size check on read).
+Corruption: `bad_shards` checks a stage's feature shards against the manifest: by
+size before a complete stage is reused (cheap), by sha256 for shards taken from the
+task cache after a crash; the train stage hashes what it reads. The shards that fail
+are re-run (a truncated file also fails `FeatureShard`'s size check on read).
 """
 
 from __future__ import annotations
@@ -145,16 +146,20 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: 
     return shard_result(entry, None, len(rows), len(rows), {})
 
 
-def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]]) -> list[str]:
-    """Names of feature shards that are missing or whose sha256 differs from their manifest entry.
+def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]], checksum: bool = True) -> list[str]:
+    """Names of feature shards that are missing, of the wrong size, or (with `checksum`)
+    whose sha256 differs from their manifest entry.
 
-    Each shard is read once, streamed (local file or S3 object); nothing is cached.
+    Each shard is read once when hashed, streamed (local file or S3 object); nothing is
+    cached. Without `checksum` only sizes are read: what reusing a complete stage checks,
+    since hashing terabytes on every run costs a full read (a download on S3); the train
+    stage hashes each shard it reads, so a same-size corruption is still caught there.
     """
     bad = []
     for s in shards:
         path = store.stage_path(STAGE, fp, s["name"])
         if not store.exists(path) or store.fs.size(path) != s["bytes"] or \
-                sha256_of(path, fs=store.fs) != s["sha256"]:
+                (checksum and sha256_of(path, fs=store.fs) != s["sha256"]):
             log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s["name"])
             bad.append(s["name"])
     return bad

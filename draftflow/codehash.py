@@ -1,0 +1,100 @@
+"""Which library source a stage's results depend on, as one hash per stage.
+
+A stage fingerprint includes the code that computes the stage (contract 1). Hashing the
+whole library made every edit, even to the trainer, recompute curation, regeneration and
+terabytes of features. Here a stage's code is `draftflow/stages/<stage>.py` plus every
+library module it imports, directly or transitively, found by reading the import
+statements of each file (module-level and inside functions, absolute and relative), plus
+the package `__init__` files on the way and the bundled assets.
+
+What it does not see: modules reached only by a computed name (importlib with a string).
+draftflow has none; `tests/test_codehash.py` keeps it that way.
+
+Key trade-off: static imports over-approximate (a module imported for one helper counts
+whole), which errs towards recomputing; never towards a stale result.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+from pathlib import Path
+
+PACKAGE = "draftflow"
+ROOT = Path(__file__).parent
+
+
+def module_file(root: Path, module: str) -> Path | None:
+    """The source file of a dotted module name under the package at `root` (None: not ours)."""
+    parts = module.split(".")
+    if parts[0] != root.name:
+        return None
+    base = root.joinpath(*parts[1:])
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _module_name(root: Path, path: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = [root.name, *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported(root: Path, path: Path) -> set[str]:
+    """Dotted names of every library module `path` imports, anywhere in the file."""
+    this = _module_name(root, path)
+    package = this if path.name == "__init__.py" else this.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import submodule`
+    return {n for n in names if n.split(".")[0] == root.name}
+
+
+def closure(root: Path, module: str) -> list[Path]:
+    """Source files of `module` and everything it imports from the package, with parent `__init__`s."""
+    seen: set[Path] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        # Importing a.b.c runs a/__init__ and a/b/__init__ first.
+        for i in range(1, len(parts) + 1):
+            f = module_file(root, ".".join(parts[:i]))
+            if f is not None and f not in seen:
+                seen.add(f)
+                todo.extend(_imported(root, f))
+    return sorted(seen)
+
+
+def source_hash(root: Path, files: list[Path], extra_dirs: tuple[str, ...] = ("assets",)) -> str:
+    """sha256 over the files' relative paths and bytes, plus every file under `extra_dirs`."""
+    h = hashlib.sha256()
+    data = [f for d in extra_dirs for f in sorted((root / d).rglob("*")) if f.is_file()]
+    for f in [*files, *data]:
+        h.update(str(f.relative_to(root)).encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def stage_code_hash(stage: str) -> str:
+    """Hash of the library code that computes `stage` (see the module docstring)."""
+    return source_hash(ROOT, closure(ROOT, f"{PACKAGE}.stages.{stage}"))
+
+
+@functools.lru_cache(maxsize=1)
+def library_hash() -> str:
+    """Hash of every library source file (what a run records as its code version)."""
+    return source_hash(ROOT, sorted(ROOT.rglob("*.py")))

@@ -1,0 +1,75 @@
+"""Per-stage code hashes: a stage's fingerprint follows the code it imports, and only that."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from draftflow import codehash
+from draftflow.codehash import closure, source_hash
+
+
+def _pkg(tmp_path: Path) -> Path:
+    root = tmp_path / "draftflow"
+    files = {
+        "__init__.py": "",
+        "store.py": "import os\n",
+        "data/__init__.py": "from draftflow.data.schema import X\n",
+        "data/schema.py": "X = 1\n",
+        "models/__init__.py": "",
+        "models/net.py": "from ..store import *\n",
+        "stages/__init__.py": "",
+        "stages/curate.py": "from draftflow.data import schema\nfrom draftflow import store\n",
+        "stages/train.py": "def f():\n    from .common import g\n    from draftflow.models.net import N\n",
+        "stages/common.py": "import draftflow.store\n",
+        "assets/data.txt": "bundled\n",
+    }
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def _names(root: Path, module: str) -> set[str]:
+    return {str(p.relative_to(root)) for p in closure(root, module)}
+
+
+def test_closure_follows_absolute_relative_and_function_level_imports(tmp_path):
+    root = _pkg(tmp_path)
+    assert _names(root, "draftflow.stages.curate") == {
+        "__init__.py", "stages/__init__.py", "stages/curate.py", "data/__init__.py", "data/schema.py", "store.py"}
+    assert _names(root, "draftflow.stages.train") == {
+        "__init__.py", "stages/__init__.py", "stages/train.py", "stages/common.py", "store.py",
+        "models/__init__.py", "models/net.py"}
+
+
+def _hash(root: Path, module: str) -> str:
+    return source_hash(root, closure(root, module))
+
+
+def test_an_edit_changes_only_the_stages_that_import_it(tmp_path):
+    root = _pkg(tmp_path)
+    before = {m: _hash(root, f"draftflow.stages.{m}") for m in ("curate", "train")}
+    (root / "models/net.py").write_text("from ..store import *\nN = 2\n")
+    assert _hash(root, "draftflow.stages.curate") == before["curate"]
+    assert _hash(root, "draftflow.stages.train") != before["train"]
+    (root / "store.py").write_text("import os  # shared by both\n")
+    assert _hash(root, "draftflow.stages.curate") != before["curate"]
+    h1 = _hash(root, "draftflow.stages.curate")
+    (root / "assets/data.txt").write_text("changed\n")  # bundled data counts for every stage
+    assert _hash(root, "draftflow.stages.curate") != h1
+
+
+def test_real_stages_see_their_own_code_and_not_the_trainer():
+    curate = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.curate")}
+    train = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.train")}
+    assert {"data/filters.py", "data/dedup.py", "stages/curate.py"} <= curate
+    assert not any(p.startswith("models/") for p in curate) and "train.py" not in curate
+    assert {"train.py", "models/dflash.py", "batches.py", "stages/train.py"} <= train
+
+
+def test_library_imports_no_module_by_computed_name():
+    """`closure` reads import statements; a module loaded by a string name would be missed."""
+    pattern = re.compile(r"import_module\(|__import__\(|importlib\.util\.spec_from")
+    offenders = [str(p) for p in codehash.ROOT.rglob("*.py") if pattern.search(p.read_text())]
+    assert offenders == []
