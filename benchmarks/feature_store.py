@@ -8,7 +8,8 @@ for both sides alike; pass `--drop-caches` (root, Linux) to read from disk.
 
 `--extract` instead times capture (hooks on the taps, forward stopped after the last tap) against
 the target's plain forward at the same batch shape: run it on a GPU machine with a real model
-(`--model Qwen/Qwen3-8B --batch 8 --seq 2048`); the target is >= 0.7x the plain forward.
+(`--model Qwen/Qwen3-8B --batch 8 --seq 2048`, or `--random-qwen3-8b` where nothing can be
+downloaded); the target is >= 0.7x the plain forward.
 
 Run as a module: `python -m benchmarks.feature_store [--gb 2] [--extract]`.
 """
@@ -94,8 +95,10 @@ def bench_extract(args) -> None:
     from draftflow.layers import default_dflash_layer_ids
     from draftflow.target import load_target, resolve_target
 
-    path = args.model or resolve_target(TargetConfig()).path
-    model, _ = load_target(path)
+    if args.random_qwen3_8b:
+        model = random_qwen3_8b(args.layers)
+    else:
+        model, _ = load_target(args.model or resolve_target(TargetConfig()).path)
     n_layers = model.config.num_hidden_layers
     layer_ids = default_dflash_layer_ids(n_layers, 5 if n_layers > 8 else 3)
     vocab = model.get_input_embeddings().weight.shape[0]
@@ -123,6 +126,24 @@ def bench_extract(args) -> None:
     print(f"ratio capture/plain {times['plain forward'] / times['capture']:.2f} (taps {layer_ids})")
 
 
+def random_qwen3_8b(layers: int | None = None):
+    """Qwen3-8B's shape (config.json of Qwen/Qwen3-8B) with random bf16 weights, built on the GPU.
+
+    For machines that cannot download the model: the timing of a forward pass depends on the
+    shape, not on the weights. `layers` trims the depth for a quick CPU smoke run.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers or 36,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                      max_position_embeddings=40960, rope_theta=1_000_000.0, tie_word_embeddings=False)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    return model.eval()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=2.0)
@@ -130,6 +151,8 @@ def main() -> None:
     ap.add_argument("--drop-caches", action="store_true")
     ap.add_argument("--extract", action="store_true")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--random-qwen3-8b", action="store_true", help="Qwen3-8B's shape, random weights (no download)")
+    ap.add_argument("--layers", type=int, default=None, help="with --random-qwen3-8b: fewer layers (smoke runs)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
