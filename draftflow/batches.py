@@ -1,9 +1,10 @@
-"""Training batches and the step plan: anchored blocks, epochs, buckets, schedule.
+"""Training batches and the step plan: anchored blocks, EAGLE-3 unrolls, epochs, buckets, schedule.
 
 Per sequence (DFlash paper, arXiv 2602.06036): up to `num_anchors` random anchors
 among supervised positions; block j = [token a_j, mask x (B-1)] at positions
 a_j..a_j+B-1; slot k's label is token a_j+k (slot 0, the given anchor, is not
-predicted). Every random choice derives from (seed, step), so a resumed run
+predicted). EAGLE-3 batches (`make_eagle3_batch`) follow the alignment written down in
+`draftflow.models.eagle3`. Every random choice derives from (seed, step), so a resumed run
 draws exactly what an uninterrupted one would. Knows nothing of the model's
 internals beyond the mask rule it imports, nor of the training loop.
 """
@@ -103,6 +104,47 @@ def build_training_batch(
     if anchors.numel() == 0:
         return None
     return make_block_batch(sample, anchors, block_size, mask_token_id)
+
+
+@dataclass
+class Eagle3Batch:
+    """EAGLE-3 unroll inputs for one sequence of T tokens: R = T-1 rows, K steps."""
+
+    feats: torch.Tensor  # (1, R, 3D) taps of positions 0..T-2
+    step_ids: torch.Tensor  # (1, K, R) step i, row t: token x_{t+1+i} (0 past the end)
+    pos: torch.Tensor  # (1, R) RoPE positions of step 0
+    final: torch.Tensor  # (1, T, D) target's final normed hidden states, positions 0..T-1
+    supervised: torch.Tensor  # (1, K, R) bool: x_{t+2+i} exists and loss_mask[t+2+i]
+
+    def to(self, device: torch.device | str) -> Eagle3Batch:
+        return Eagle3Batch(**{k: v.to(device) for k, v in vars(self).items()})
+
+
+def make_eagle3_batch(sample: FeatureSample, steps: int) -> Eagle3Batch | None:
+    """The unroll batch of one sequence (features: 3 taps then FINAL), or None when nothing is supervised.
+
+    Step i, row t: input token x_{t+1+i}, target distribution from f_{t+1+i} (predicting
+    x_{t+2+i}), supervised iff t+2+i < T and loss_mask[t+2+i] (see `draftflow.models.eagle3`).
+    """
+    T = sample.input_ids.numel()
+    if T < 3:
+        return None
+    ids, mask = sample.input_ids.to(torch.int64), sample.loss_mask.bool()
+    R = T - 1
+    src = torch.arange(R)[None, :] + 1 + torch.arange(steps)[:, None]  # (K, R): position t+1+i
+    step_ids = torch.where(src < T, ids[src.clamp(max=T - 1)], 0)
+    pred = src + 1  # position of the predicted token
+    supervised = (pred < T) & mask[pred.clamp(max=T - 1)]
+    if not supervised.any():
+        return None
+    hidden = sample.hidden  # (T, 4, D)
+    return Eagle3Batch(
+        feats=hidden[:R, :3].reshape(1, R, -1),
+        step_ids=step_ids[None],
+        pos=torch.arange(R)[None],
+        final=hidden[:, 3][None],
+        supervised=supervised[None],
+    )
 
 
 # ----------------------------------------------------------------------------- schedule & plan

@@ -2,7 +2,8 @@
 
 An engine turns a batch of token id lists into one (T_i, n_taps, D) tensor per
 sequence (on the CPU, in the target's dtype), tap i being DFlash id
-`layer_ids[i]`, the output of decoder layer L (`draftflow.layers`).
+`layer_ids[i]`, the output of decoder layer L (`draftflow.layers`), or for
+`layers.FINAL` the target's final normed hidden state (hf engine only).
 
 - `HFCapture` (transformers): forward hooks on the tap layers only, so the other
   layers' outputs are never kept; the forward stops right after the last tap
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -33,7 +35,7 @@ from typing import Protocol
 import torch
 
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.layers import engine_layer_index
+from draftflow.layers import FINAL, engine_layer_index
 from draftflow.target import model_lock
 
 log = logging.getLogger(__name__)
@@ -90,15 +92,27 @@ class HFCapture:
                 raise _StopForward
         return hook
 
+    def _module(self, layer_id: int) -> torch.nn.Module:
+        """The module whose output is feature `layer_id`: decoder layer L, or the final norm for FINAL."""
+        if layer_id == FINAL:
+            norm = getattr(self.body, "norm", None)
+            if not isinstance(norm, torch.nn.Module):
+                raise ConfigError(f"cannot find the final norm of {type(self.model).__name__} (expected "
+                                  ".model.norm), needed by drafter.kind=eagle3; use a Llama/Qwen-style target")
+            return norm
+        return self.layers[engine_layer_index("hf_hook", layer_id)]
+
     @torch.no_grad()
     def capture(self, batch: list[list[int]]) -> list[torch.Tensor]:
         ids, mask = right_pad(batch, self.device)
         taps: dict[int, torch.Tensor] = {}
-        last = max(range(len(self.layer_ids)), key=lambda s: self.layer_ids[s])
+        # The final norm (FINAL) runs after every decoder layer, so it is last when present.
+        last = max(range(len(self.layer_ids)), key=lambda s: math.inf if self.layer_ids[s] == FINAL
+                   else self.layer_ids[s])
         # Hooks are added and removed under the model's lock: threads share the cached model.
         with model_lock(self.model):
-            handles = [self.layers[engine_layer_index("hf_hook", lid)].register_forward_hook(
-                self._hook(slot, taps, slot == last)) for slot, lid in enumerate(self.layer_ids)]
+            handles = [self._module(lid).register_forward_hook(self._hook(slot, taps, slot == last))
+                       for slot, lid in enumerate(self.layer_ids)]
             try:
                 self.body(input_ids=ids, attention_mask=mask, use_cache=False)
             except _StopForward:
@@ -117,6 +131,9 @@ class VLLMCapture:
 
     def __init__(self, path: str, layer_ids: list[int], tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, max_model_len: int | None = None):
+        if FINAL in layer_ids:
+            raise ConfigError("drafter.kind=eagle3 stores the target's final normed hidden state, which the vllm "
+                              "capture engine cannot extract yet; set extract.engine=hf")
         from draftflow.engines.vllm import import_vllm
 
         self._vllm = import_vllm()

@@ -4,6 +4,13 @@ A checkpoint is written to a temporary folder and renamed into place, so a
 folder named `step_*` is always complete; the newest `KEEP_CHECKPOINTS` are kept.
 A checkpoint remembers the settings it was written with (`meta`) and refuses to
 resume a run with different ones. Knows nothing of the loss or the data.
+
+One format for every way of training: the *full* (unsharded) trainable weights in
+`model.safetensors` (the same file as the final drafter) and the optimizer state keyed by
+parameter name (`torch.distributed.checkpoint.state_dict`'s full state dict). Under FSDP2
+gathering it is a collective, so every rank calls `save_checkpoint` and rank 0 writes;
+loading scatters it back into shards. A checkpoint written by 2 FSDP ranks therefore
+resumes on 1 process, under DDP or on another number of ranks, and vice versa.
 """
 
 from __future__ import annotations
@@ -14,12 +21,23 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from draftflow.distributed import DistEnv, is_fsdp
 from draftflow.errors import ConfigError
-from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash import write_weights_and_config
 
 CKPT_DIR = "checkpoints"
 KEEP_CHECKPOINTS = 2
+# Full tensors, gathered to CPU on rank 0 only; the frozen target modules are never saved.
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+_SCATTER = StateDictOptions(full_state_dict=True, strict=False)
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
@@ -29,25 +47,52 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched, state: dict, meta: dict) -> Path:
-    """Write weights + optimizer + scheduler + loop state to a temp folder, then rename."""
+def full_weights(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's saved tensors (`trainable_state_dict` names), whole and on CPU.
+
+    Under FSDP a collective: every rank must call it; ranks other than 0 get `{}`.
+    """
+    keys = list(drafter.trainable_state_dict())
+    if not is_fsdp(drafter):
+        local = drafter.trainable_state_dict()
+        return {k: local[k].detach().cpu().contiguous() for k in keys}
+    full = get_model_state_dict(drafter, options=_GATHER)
+    return {k: full[k].contiguous() for k in keys} if full else {}
+
+
+def save_drafter(drafter: torch.nn.Module, out_dir: str | Path, env: DistEnv) -> None:
+    """The final `model.safetensors` + `config.json` (rank 0), the same files with or without FSDP."""
+    if not is_fsdp(drafter):
+        if env.is_main:
+            drafter.save(out_dir)
+        return
+    tensors = full_weights(drafter)
+    if env.is_main:
+        write_weights_and_config(out_dir, tensors, drafter.config.to_dict())
+
+
+def save_checkpoint(out_dir: str | Path, drafter, opt, sched, state: dict, meta: dict,
+                    env: DistEnv | None = None) -> Path | None:
+    """Write weights + optimizer + scheduler + loop state to a temp folder, then rename (rank 0).
+
+    Every rank calls it (FSDP gathers shards); returns the folder on rank 0, None elsewhere.
+    """
+    env = env or DistEnv()
+    if not env.is_main and not is_fsdp(drafter):
+        return None  # replicated: rank 0 has it all
+    weights = full_weights(drafter)
+    optim = get_optimizer_state_dict(drafter, opt, options=_GATHER)
+    if not env.is_main:
+        return None
     root = Path(out_dir) / CKPT_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{state['step']:08d}"
     tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().cpu().contiguous() for k, v in drafter.trainable_state_dict().items()}
     save_file(weights, str(tmp / "model.safetensors"))
-    torch.save(
-        {
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "loop": state,
-        },
-        tmp / "state.pt",
-    )
+    blob = {"optimizer": optim, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "loop": state}
+    torch.save(blob, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # the folder appears complete or not at all
@@ -56,8 +101,10 @@ def save_checkpoint(out_dir: str | Path, drafter: DFlashDrafter, opt, sched, sta
     return final
 
 
-def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict, device: torch.device) -> dict:
-    """Restore a checkpoint into live objects; return the loop state.
+def load_checkpoint(path: Path, drafter, opt, sched, meta: dict, device: torch.device) -> dict:
+    """Restore a checkpoint into live (possibly sharded) objects; return the loop state.
+
+    Every rank reads the folder (a shared filesystem when nodes differ).
 
     Raises:
         ConfigError: the checkpoint was written by a run with different settings.
@@ -69,9 +116,10 @@ def load_checkpoint(path: Path, drafter: DFlashDrafter, opt, sched, meta: dict, 
             f"checkpoint {path} was written with different settings ({diff}); "
             "delete that checkpoints folder or train into a new output folder"
         )
-    drafter.load_state_dict(load_file(str(path / "model.safetensors"), device=str(device)), strict=False)
+    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    set_model_state_dict(drafter, weights, options=_SCATTER)
     blob = torch.load(path / "state.pt", map_location=device, weights_only=True)
-    opt.load_state_dict(blob["optimizer"])
+    set_optimizer_state_dict(drafter, opt, blob["optimizer"], options=_SCATTER)
     sched.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"].cpu())
     return blob["loop"]

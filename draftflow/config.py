@@ -159,6 +159,11 @@ class ExtractConfig(Section):
 
 
 class DrafterConfig(Section):
+    """The drafter's kind and shape. DFlash uses every field but the `ttt_*` ones; EAGLE-3 uses
+    `target_layer_ids` (3 taps), `ttt_steps`, `ttt_decay` and `attn_backend`, always has one
+    decoder layer (`num_layers` must be left unset or 1) and ignores `num_taps`."""
+
+    kind: Literal["dflash", "eagle3"] = Field("dflash", description="drafter algorithm")
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2)
     num_taps: int = Field(5, ge=1)
@@ -171,6 +176,8 @@ class DrafterConfig(Section):
         None, description="per layer full_attention | sliding_attention; null = all full"
     )
     sliding_window: int | None = Field(None, ge=1, description="window of sliding_attention layers")
+    ttt_steps: int = Field(7, ge=1, description="EAGLE-3: training-time-test unroll steps = drafts per round")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3: loss weight of unroll step i is decay^i")
 
 
 class TrainConfig(Section):
@@ -190,12 +197,40 @@ class TrainConfig(Section):
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (one per GPU)")
     nnodes: int = Field(1, ge=1)
     rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous; null = local")
+    launcher: Literal["auto", "inprocess", "torchrun"] = Field(
+        "auto", description="auto = torchrun child processes when more than one process or on CUDA, else in-process")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: replicate the drafter, all-reduce gradients; fsdp: FSDP2-shard its trainable layers")
+    bf16: bool = Field(True, description="bf16 autocast of the forward on CUDA (loss in fp32); ignored on CPU")
+    timeout_s: float | None = Field(
+        None, gt=0.0, description="torchrun launcher: kill the training processes after this many seconds")
 
 
 class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
     device: str = "auto"
+
+
+class RunnerConfig(Section):
+    """Where shard tasks run: threads in the flow's process, or Ray (`pip install draftflow[ray]`).
+
+    Placement only, never results: this section is in no stage fingerprint, so moving a
+    run between a laptop and a cluster reuses every finished stage and shard.
+    """
+
+    kind: Literal["thread", "ray"] = "thread"
+    ray_address: str | None = Field(
+        None, description="existing cluster: ray://head:10001, head:6379 or auto; null = start a local instance")
+    stages: list[Literal["curate", "regenerate", "tokenize", "extract"]] = Field(
+        default_factory=lambda: ["regenerate", "extract"], description="stage flows whose shard tasks go to Ray")
+    gpus_per_task: float = Field(
+        1.0, ge=0.0, description="Ray num_gpus of each gpu-tagged task (a vLLM tensor-parallel group: its size); "
+        "0 on CPU-only clusters")
+    cpus_per_task: int = Field(1, ge=1, description="Ray num_cpus of each task (also its torch/OpenMP threads)")
+    max_workers: int | None = Field(
+        None, ge=1, description="threads per stage flow (kind=thread); null = one per core for curate, "
+        "Prefect's default elsewhere")
 
 
 class RunConfig(Section):
@@ -209,6 +244,7 @@ class RunConfig(Section):
     drafter: DrafterConfig = DrafterConfig()
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    runner: RunnerConfig = RunnerConfig()
 
     @model_validator(mode="after")
     def _default_root(self) -> RunConfig:
@@ -226,12 +262,13 @@ class RunConfig(Section):
 
 
 # What each stage's fingerprint hashes (contract 1): whole sections, or one field
-# by dotted path. Extract depends on the taps only, not on the drafter's depth.
+# by dotted path. Extract depends on the taps only (and on the kind, which chooses the
+# default taps and whether the target's final hidden state is stored), not on the depth.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "curate": ("curate",),
     "regenerate": ("target", "regenerate"),
     "tokenize": ("target", "tokenize", "drafter.block_size"),
-    "extract": ("target", "extract", "drafter.target_layer_ids", "drafter.num_taps"),
+    "extract": ("target", "extract", "drafter.kind", "drafter.target_layer_ids", "drafter.num_taps"),
     "train": ("target", "drafter", "train"),
     "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),
 }
@@ -240,6 +277,10 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",
                      "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm",
                      "extract.checkpoint_every", "extract.force", "extract.batch_size"}
+# How training is spread over processes: the same global batch gives the same result up to float
+# summation order (ddp and fsdp alike), and a checkpoint resumes under any of them.
+NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoint", "train.launcher",
+                      "train.parallel", "train.timeout_s"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

@@ -1,4 +1,4 @@
-"""Speculative decoding with a DFlash drafter, acceptance statistics and a lossless check.
+"""Speculative decoding with a DFlash or EAGLE-3 drafter, acceptance statistics and a lossless check.
 
 Acceptance is measured by actually decoding (DFlash paper, arXiv 2602.06036:
 mean acceptance length tau), not by training accuracy, which is known to
@@ -6,7 +6,9 @@ overstate served acceptance. Each step: the drafter fills the block
 [anchor, mask x (B-1)] in one forward pass from the target's tap features at
 all positions before the anchor; the target verifies the block; the longest
 prefix of drafts equal to the target's greedy tokens is accepted, plus the
-target's own next token (the bonus, which becomes the next anchor).
+target's own next token (the bonus, which becomes the next anchor). An EAGLE-3 drafter
+instead drafts a chain of `ttt_steps` tokens one after the other (`draftflow.models.eagle3.
+draft_chain`, also without a KV cache); verification and acceptance are the same.
 
 What it does not know: prompts' origin (token id lists), reports or plots,
 sampling (greedy only, temperature 0).
@@ -28,6 +30,7 @@ from draftflow.config import EvaluateConfig
 from draftflow.errors import LosslessError
 from draftflow.layers import hf_hidden_state_index
 from draftflow.models.dflash import DFlashDrafter, block_attention_mask
+from draftflow.models.eagle3 import Eagle3Drafter, draft_chain
 
 logger = logging.getLogger(__name__)
 RoundFn = Callable[[torch.Tensor], torch.Tensor]
@@ -77,6 +80,23 @@ def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch
     return drafter(block_ids, block_pos, ctx[None].to(device), ctx_pos, mask)[0]
 
 
+def propose(drafter: DFlashDrafter | Eagle3Drafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
+    """Greedy drafts for positions len(seq)+1 onwards.
+
+    Args:
+        seq: the tokens the target has read (positions 0..n-1); anchor: its newest token (position n).
+        ctx: (n, n_taps * D) tap features of positions 0..n-1.
+    """
+    if isinstance(drafter, Eagle3Drafter):  # EAGLE-3: row p pairs h_p with token p+1
+        return draft_chain(drafter, ctx, seq[1:] + [anchor], drafter.config.ttt_steps)[0]
+    return draft_block(drafter, anchor, ctx)[1:].argmax(-1).tolist()
+
+
+def drafts_per_step(drafter: DFlashDrafter | Eagle3Drafter) -> int:
+    """Most drafts one step can accept: B-1 (DFlash) or the chain depth (EAGLE-3)."""
+    return drafter.config.ttt_steps if isinstance(drafter, Eagle3Drafter) else drafter.config.block_size - 1
+
+
 def _accept(drafts: list[int], target_next: list[int]) -> int:
     """Number of leading drafts equal to the target's greedy tokens at the same positions."""
     n = 0
@@ -100,7 +120,7 @@ def speculative_generate(
     """Greedy speculative decoding; output equals `greedy_generate` (lossless).
 
     Args:
-        target: HF causal LM. drafter: a DFlash drafter for that target.
+        target: HF causal LM. drafter: a DFlash or EAGLE-3 drafter for that target.
         prompt_ids: prompt token ids (non-empty).
         max_new_tokens: exact cap on generated tokens.
         eos_ids: generation stops after the first of these (it is kept).
@@ -118,7 +138,7 @@ def speculative_generate(
     accept: list[int] = []
     while not done:
         anchor, n = out[-1], len(seq)
-        drafts = draft_block(drafter, anchor, feats[:n])[1:].argmax(-1).tolist()
+        drafts = propose(drafter, seq, anchor, feats[:n])
         logits, feats = capture_taps(target, seq + [anchor] + drafts, layer_ids, round_features)
         target_next = logits[n:].argmax(-1).tolist()  # greedy tokens for positions n+1..n+B
         k = _accept(drafts, target_next)
@@ -186,7 +206,7 @@ def evaluate_prompts(
         lengths += acc
         tokens += len(spec)
         per_prompt.append(sum(acc) / len(acc) if acc else None)
-    return acceptance_stats(lengths, drafter.config.block_size) | {
+    return acceptance_stats(lengths, drafts_per_step(drafter) + 1) | {
         "tokens": tokens,
         "prompts": len(chosen),
         "tau_per_prompt": per_prompt,

@@ -23,8 +23,29 @@ shares the target's) in one `model.safetensors` plus a `config.json`:
   `aux_hidden_state_layer_ids` back with `target_layer_ids = [i - 1 for i in aux]`, so
   speculators ids are boundary indices: draftflow id + 1.
 
+EAGLE-3 (`export_eagle3_vllm`, `export_eagle3_speculators`), the drafter's own weights plus
+the `d2t` (int64, draft id -> target id offset) and `t2d` (bool over the target vocabulary)
+tensors, no embedding, no target LM head:
+
+* **vLLM native EAGLE-3**: what `--speculative-config '{"method": "eagle3", "model": DIR,
+  "num_speculative_tokens": K}'` loads. Verified in vLLM `vllm/model_executor/models/registry.py`
+  (`"LlamaForCausalLMEagle3": ("llama_eagle3", "Eagle3LlamaForCausalLM")`) and
+  `llama_eagle3.py`: `load_weights` maps `midlayer.` to `layers.0.`, prefixes `model.` to every
+  name without `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips `t2d` and a missing
+  `embed_tokens`, fuses q/k/v and gate/up itself; the first layer's q/k/v take 2 x hidden
+  inputs, `fc` takes 3 x (`target_hidden_size` or hidden); `lm_head` has `draft_vocab_size`
+  rows; `norm_before_residual` (default False there) picks where `hidden_norm` sits. Taps are
+  read from `eagle_aux_hidden_state_layer_ids` (boundary indices: draftflow id + 1).
+* **speculators** (vllm-project/speculators `models/eagle3/config.py`,
+  `Eagle3SpeculatorConfig`): `speculators_model_type: "eagle3"`, `transformer_layer_config`
+  (a Llama config), `draft_vocab_size`, `norm_before_residual`, `target_hidden_size`,
+  `eagle_aux_hidden_state_layer_ids`; weights named `layers.0.*` (its converter
+  `convert/eagle/eagle3_converter.py` remaps `midlayer.*` to `layers.0.*`). vLLM's
+  `update_eagle3` (`transformers_utils/configs/speculators/algos.py`) defaults
+  `norm_before_residual` to True when absent, so it is always written (False).
+
 What it does not know: training, stores (it writes a local folder; the train stage copies
-it into the artifact store), EAGLE-3. Trade-off: one rename table shared by both formats and
+it into the artifact store). Trade-off: one rename table shared by both formats and
 by `load_exported`, so a name vLLM would not recognise fails the export, not the server.
 """
 
@@ -47,6 +68,8 @@ from draftflow.models.dflash import (
     DFlashDrafter,
     write_weights_and_config,
 )
+from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
+from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 
 # draftflow parameter-name prefix -> exported (vLLM / speculators) prefix. Every exported
 # tensor must match one entry; the shared embedding and LM head are never exported.
@@ -225,14 +248,17 @@ def config_from_export(data: dict[str, Any]) -> DFlashConfig:
     return DFlashConfig.from_dict(values)
 
 
-def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFlashDrafter:
-    """Load an exported folder back into a `DFlashDrafter` around `target_model` (round-trip check).
+def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFlashDrafter | Eagle3Drafter:
+    """Load an exported folder (either kind, either format) back around `target_model` (round-trip check).
 
     Raises:
         StoreError: missing files, or exported weights that do not match the config exactly.
     """
     folder = Path(export_dir)
-    cfg = config_from_export(json.loads((folder / CONFIG_NAME).read_text()))
+    data = json.loads((folder / CONFIG_NAME).read_text())
+    if _is_eagle3(data):
+        return load_exported_eagle3(folder, data, target_model)
+    cfg = config_from_export(data)
     weights = import_state_dict(load_file(str(folder / WEIGHTS_NAME)))
     model = DFlashDrafter(cfg, target_model)
     expected = set(model.trainable_state_dict())
@@ -241,3 +267,133 @@ def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFla
                          f"unexpected {sorted(set(weights) - expected)[:5]}")
     model.load_state_dict(weights, strict=False)
     return model
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+
+# draftflow name prefix -> speculators name prefix (vLLM native keeps draftflow's names).
+EAGLE3_SPECULATORS_NAMES: dict[str, str] = {
+    "midlayer.": "layers.0.",  # the single decoder layer
+    "fc.": "fc.",  # (D, 3D), no bias
+    "norm.": "norm.",
+    "lm_head.": "lm_head.",  # (draft_vocab_size, D)
+    "d2t": "d2t",
+    "t2d": "t2d",
+}
+EAGLE3_VLLM_NAMES = {k: k for k in EAGLE3_SPECULATORS_NAMES}
+
+
+def _is_eagle3(data: dict[str, Any]) -> bool:
+    return data.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in data.get("architectures", [])
+
+
+def llama_dims(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
+    """The EAGLE-3 layer as the Llama config vLLM's Eagle3LlamaForCausalLM reads."""
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.intermediate_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,  # the drafter uses plain RoPE
+        "vocab_size": cfg.vocab_size,  # the target's; the head has draft_vocab_size rows
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": int(getattr(target_config, "max_position_embeddings", 32768)),
+        "torch_dtype": _dtype_name(target_config),
+    }
+
+
+def eagle3_vllm_config(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
+    """config.json of vLLM's native EAGLE-3 layout (see the module docstring)."""
+    aux = [i + 1 for i in cfg.target_layer_ids]  # boundary indices
+    return llama_dims(cfg, target_config) | {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "norm_before_residual": False,
+        "eagle_aux_hidden_state_layer_ids": aux,
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux},
+        "num_target_layers": cfg.num_target_layers,
+        "ttt_steps": cfg.ttt_steps,
+    }
+
+
+def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
+    """config.json in the speculators EAGLE-3 format (see the module docstring)."""
+    verifier = verifier or getattr(target_config, "_name_or_path", None) or "target"
+    return {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": llama_dims(cfg, target_config),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": False,
+        "target_hidden_size": cfg.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # boundary indices
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.ttt_steps}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier,
+                         "architectures": list(getattr(target_config, "architectures", None) or [])},
+        },
+    }
+
+
+def _eagle3_checkpoint(checkpoint_dir: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    folder = Path(checkpoint_dir)
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
+    cfg = Eagle3Config.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
+    weights = {k: v for k, v in load_file(str(folder / WEIGHTS_NAME)).items() if not k.startswith(EAGLE3_SHARED)}
+    return cfg, weights
+
+
+def _renamed(weights: dict[str, torch.Tensor], table: dict[str, str]) -> dict[str, torch.Tensor]:
+    return {_rename(k, table): v.detach().cpu().contiguous() for k, v in weights.items()}
+
+
+def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any) -> Path:
+    """Write a folder vLLM serves as an EAGLE-3 speculative model (native layout)."""
+    cfg, weights = _eagle3_checkpoint(checkpoint_dir)
+    config = eagle3_vllm_config(cfg, target_config)
+    return write_weights_and_config(out_dir, _renamed(weights, EAGLE3_VLLM_NAMES), config)
+
+
+def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
+                              verifier: str | None = None) -> Path:
+    """Write an EAGLE-3 drafter in the speculators format."""
+    cfg, weights = _eagle3_checkpoint(checkpoint_dir)
+    config = eagle3_speculators_config(cfg, target_config, verifier)
+    return write_weights_and_config(out_dir, _renamed(weights, EAGLE3_SPECULATORS_NAMES), config)
+
+
+def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
+    """Rebuild an Eagle3Config from either exported config.json."""
+    dims = data["transformer_layer_config"] if "transformer_layer_config" in data else data
+    ids = [i - 1 for i in data["eagle_aux_hidden_state_layer_ids"]]
+    steps = data.get("ttt_steps") or data.get("speculators_config", {}).get("proposal_methods", [{}])[0].get(
+        "speculative_tokens", 7)
+    return Eagle3Config.from_dict({
+        "hidden_size": dims["hidden_size"], "num_heads": dims["num_attention_heads"],
+        "num_kv_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
+        "intermediate_size": dims["intermediate_size"], "rms_norm_eps": dims["rms_norm_eps"],
+        "rope_theta": dims["rope_theta"], "vocab_size": dims["vocab_size"],
+        "draft_vocab_size": data["draft_vocab_size"], "target_layer_ids": ids,
+        # speculators does not record the target's depth; any valid bound will do
+        "num_target_layers": data.get("num_target_layers") or max(ids) + 2, "ttt_steps": steps,
+    })
+
+
+def load_exported_eagle3(folder: Path, data: dict[str, Any], target_model: torch.nn.Module) -> Eagle3Drafter:
+    """An exported EAGLE-3 folder back as an `Eagle3Drafter` (either format)."""
+    table = EAGLE3_SPECULATORS_NAMES if data.get("speculators_model_type") == "eagle3" else EAGLE3_VLLM_NAMES
+    back = {dst: src for src, dst in table.items()}
+    weights = {_rename(k, back): v for k, v in load_file(str(folder / WEIGHTS_NAME)).items()}
+    return Eagle3Drafter.from_weights(eagle3_config_from_export(data), weights, target_model, str(folder))

@@ -5,6 +5,12 @@ DFlash `target_layer_ids` are 0-based decoder-layer indices: id L means the
 `hidden_states[L + 1]` (`hidden_states[0]` is the embedding output).
 EAGLE-3 taps are boundary indices into that same `hidden_states` tuple.
 Every conversion between the two lives here and nowhere else.
+
+Inside draftflow, EAGLE-3 taps use the DFlash convention too (`default_eagle3_layer_ids`);
+the boundary form appears only in exports and in vLLM's own settings. One special id,
+`FINAL`, names the target's final *normed* hidden state (the output of `model.model.norm`,
+the LM head's input): EAGLE-3 feature shards store it beside the taps so soft targets can
+be computed offline.
 """
 
 from __future__ import annotations
@@ -32,9 +38,39 @@ def default_dflash_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(1 + i * span / (num_taps - 1) + 0.5) for i in range(num_taps)]
 
 
+FINAL = -1  # feature id of the target's final normed hidden state (not a decoder layer)
+
+
 def eagle3_layer_ids(num_target_layers: int) -> list[int]:
-    """EAGLE-3 low/mid/high boundary indices: 2, N // 2, N - 3."""
+    """EAGLE-3 low/mid/high boundary indices: 2, N // 2, N - 3.
+
+    vLLM's default `eagle_aux_hidden_state_layer_ids` (the residual stream *entering*
+    those layers), the same layers SpecForge reads as `hidden_states[1 + 1]`,
+    `hidden_states[N // 2 - 1 + 1]`, `hidden_states[N - 4 + 1]`.
+    """
     return [2, num_target_layers // 2, num_target_layers - 3]
+
+
+def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
+    """EAGLE-3's default taps as draftflow (DFlash-convention) ids: 1, N // 2 - 1, N - 4.
+
+    Equal to `eagle3_layer_ids` minus one each (boundary index k = output of layer k - 1).
+    """
+    return [b - 1 for b in eagle3_layer_ids(num_target_layers)]
+
+
+def eagle3_taps(layer_ids: list[int] | None, num_target_layers: int) -> list[int]:
+    """EAGLE-3's three taps (draftflow ids): the given ones, else the default; validated.
+
+    Raises:
+        ConfigError: not exactly three ids, or ids `validate_layer_ids` refuses (a target
+            shallower than 7 layers makes the default ids collide: set them explicitly).
+    """
+    ids = list(layer_ids) if layer_ids is not None else default_eagle3_layer_ids(num_target_layers)
+    if len(ids) != 3:
+        raise ConfigError(f"drafter.kind=eagle3 fuses exactly 3 taps (low, mid, high), but "
+                          f"drafter.target_layer_ids has {len(ids)}: {ids}; give 3 ids or leave it null")
+    return validate_layer_ids(ids, num_target_layers)
 
 
 def hf_hidden_state_index(layer_id: int) -> int:

@@ -1,7 +1,10 @@
-"""Record what a run was: resolved config, package versions, git revision.
+"""Record what a run was (resolved config, package versions, git revision), and say where it stands.
 
-Written to `<root>/run.json` at the start of every run (overwritten: it
+`run.json` is written to the run root at the start of every run (overwritten: it
 describes the latest invocation; each stage's manifest keeps its own config).
+`recorded_config` reads it back, so a run folder alone names its config;
+`stage_status` is `draftflow status`: per stage its state (from `plan.plan`, the same
+walk `draftflow plan` makes), counts from its manifest and where its outputs are.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 
 from draftflow import __version__
 from draftflow.config import RunConfig
-from draftflow.store import Store, code_version
+from draftflow.errors import DraftflowError
+from draftflow.store import MANIFEST, Store, code_version
 
+RUN_JSON = "run.json"
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "pyarrow", "prefect", "fsspec", "s3fs", "vllm")
 
 
@@ -59,5 +64,40 @@ def record_run(cfg: RunConfig) -> dict[str, Any]:
     """Write `run.json` into the run root and return it."""
     store = Store(cfg.root)
     info = run_info(cfg)
-    store.write_json(store.path("run.json"), info)
+    store.write_json(store.path(RUN_JSON), info)
     return info
+
+
+def recorded_config(root: str) -> RunConfig:
+    """The config the last run under `root` recorded, with `root` as its root (the folder may have moved).
+
+    Raises DraftflowError (one line saying what to pass instead) when `root` holds no run.
+    """
+    store = Store(root)
+    if not store.exists(store.path(RUN_JSON)):
+        raise DraftflowError(f"no run found at {root} (it has no {RUN_JSON}); pass a run folder that "
+                             "`draftflow run` wrote (e.g. runs/tiny) or the run's config file (e.g. configs/tiny.yaml)")
+    recorded = store.read_json(store.path(RUN_JSON))["config"]
+    return RunConfig.model_validate({**recorded, "root": root})
+
+
+def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
+    """Per stage: stage, state ("complete", "to run", "waits"), fingerprint, path (its output folder,
+    None while its inputs are unknown), and for a complete stage its rows_in, rows_out, dropped (by
+    reason), tokens, shards and bytes from its manifest. Reads manifests; runs nothing."""
+    from draftflow.plan import plan
+    from draftflow.target import resolve_target
+
+    store = Store(cfg.root)
+    target = target or resolve_target(cfg.target)
+    out = []
+    for s in plan(cfg, target):
+        entry = {k: s[k] for k in ("stage", "state", "fingerprint")}
+        fp = s["fingerprint"]
+        entry["path"] = store.url(store.stage_path(s["stage"], fp)) if fp else None
+        if s["state"] == "complete":
+            m = store.read_json(store.stage_path(s["stage"], fp, MANIFEST))
+            entry |= {k: m[k] for k in ("rows_in", "rows_out", "dropped", "tokens")}
+            entry |= {"shards": len(m["shards"]), "bytes": sum(int(x["bytes"]) for x in m["shards"]), "manifest": m}
+        out.append(entry)
+    return out

@@ -1,4 +1,4 @@
-"""DFlash training: anchored blocks, the decayed block loss, and a resumable loop.
+"""Drafter training: DFlash's anchored blocks or EAGLE-3's unroll, their losses, and a resumable loop.
 
 Per sequence (DFlash paper, arXiv 2602.06036, section on training):
   * up to `num_anchors` random anchors a among supervised positions;
@@ -12,6 +12,13 @@ Per sequence (DFlash paper, arXiv 2602.06036, section on training):
 What it does not know: where features come from (already-loaded
 `FeatureSample`s) or Prefect. Under torchrun each rank trains on its share of every
 step's global batch (`draftflow.distributed`); checkpoints are local folders, rank 0's.
+
+EAGLE-3 (`drafter.kind: eagle3`, arXiv 2503.01840): the training-time-test unroll of
+`draftflow.models.eagle3` (alignment and mask are written down there); step i's soft cross
+entropy against the target's distribution over the draft vocabulary is weighted
+`ttt_decay ** i`. A drafter kind is an *objective* (`DFlashObjective`, `Eagle3Objective`):
+how a sequence becomes a batch, its loss weight (known before any forward pass), and
+forward + loss; the loop is shared.
 
 Key trade-off: one sequence per forward pass (variable T and anchor counts),
 with `batch_size` sequences by gradient accumulation. No padding logic and
@@ -33,24 +40,35 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from draftflow import progress
 from draftflow.batches import (  # noqa: F401  (re-exported: the batch API lives in draftflow.batches)
     BUCKET_BATCHES,
     IGNORE,
     BlockBatch,
+    Eagle3Batch,
     anchor_generator,
     build_training_batch,
     make_block_batch,
+    make_eagle3_batch,
     select_anchors,
     step_indices,
     total_steps,
     warmup_cosine,
 )
-from draftflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from draftflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
 from draftflow.config import TrainConfig
-from draftflow.distributed import DistEnv, all_reduce_sum, init_distributed, sync_gradients
+from draftflow.distributed import (
+    DistEnv,
+    all_reduce_sum,
+    clip_gradients,
+    init_distributed,
+    prepare_model,
+    sync_gradients,
+)
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.target import resolve_device
 
 logger = logging.getLogger(__name__)
@@ -125,6 +143,106 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
     )
 
 
+def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
+                supervised: torch.Tensor, decay: float) -> LossStats:
+    """Decayed soft cross entropy over the unroll steps, plus accuracy statistics.
+
+    Args:
+        logits: K drafter logits (1, R, Vd), R = T-1 rows.
+        probs: (1, T, Vd) the target's distribution over the draft vocabulary at every position;
+            step i, row t is scored against position t+1+i.
+        in_vocab: (1, T) the target's argmax at that position is a draft token.
+        supervised: (1, K, R) bool from `make_eagle3_batch`.
+        decay: step i has weight decay ** i.
+
+    Returns:
+        `LossStats` per step (correct/valid of length K; a row's leading count stops at its first
+        wrong or unsupervised step; rows = those supervised at step 0). `weight_sum` counts the
+        supervised rows; rows whose target argmax is outside the draft vocabulary add nothing to
+        `weighted_sum` but stay in `weight_sum` (known before the forward pass, like SpecForge's
+        mean over positions).
+    """
+    R = supervised.shape[-1]
+    weighted_sum = logits[0].new_zeros((), dtype=torch.float32)
+    hits, valids, weight_sum = [], [], 0.0
+    for i, lg in enumerate(logits):
+        p = probs[:, 1 + i : 1 + i + R]  # (1, R_i, Vd), R_i = R - i rows have a target position
+        n = p.shape[1]
+        valid = supervised[:, i, :n] & in_vocab[:, 1 + i : 1 + i + n]  # (1, R_i)
+        ce = -(p * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)  # (1, R_i)
+        w = decay**i
+        weighted_sum = weighted_sum + w * (ce * valid).sum()
+        weight_sum += w * float(supervised[:, i].sum())
+        hit = (lg[:, :n].detach().argmax(-1) == p.argmax(-1)) & valid
+        hits.append(F.pad(hit[0], (0, R - n)))
+        valids.append(F.pad(valid[0], (0, R - n)))
+    hit, valid = torch.stack(hits), torch.stack(valids)  # (K, R)
+    leading = hit.int().cumprod(dim=0).sum(dim=0)[valid[0]]  # rows supervised at step 0
+    return LossStats(
+        loss=weighted_sum / max(weight_sum, 1e-12),
+        weighted_sum=weighted_sum,
+        weight_sum=weight_sum,
+        correct=hit.sum(1).cpu().double(),
+        valid=valid.sum(1).cpu().double(),
+        leading=leading.cpu(),
+    )
+
+
+# ----------------------------------------------------------------------------- objectives
+
+
+class DFlashObjective:
+    """DFlash: random anchored blocks, the decayed block cross entropy."""
+
+    def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig):
+        self.cfg, self.tcfg, self.B = cfg, tcfg, cfg.block_size
+        self.gamma = tcfg.gamma or default_gamma(cfg.block_size)
+        self.weights = slot_weights(cfg.block_size, self.gamma)
+        self.n_slots = cfg.block_size - 1
+
+    def batch(self, sample: FeatureSample, step: int, j: int) -> BlockBatch | None:
+        gen = anchor_generator(self.tcfg.seed, step, j)
+        return build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
+
+    def weight(self, b: BlockBatch) -> float:
+        return float((self.weights * (b.labels.view(-1, self.B) != IGNORE)).sum())
+
+    def loss(self, drafter, b: BlockBatch) -> LossStats:
+        logits = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
+        return dflash_loss(logits, b.labels, self.B, self.gamma)
+
+
+class Eagle3Objective:
+    """EAGLE-3: the training-time-test unroll, soft targets over the draft vocabulary."""
+
+    def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig):
+        self.cfg, self.n_slots = cfg, cfg.ttt_steps
+        self.decays = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
+
+    def batch(self, sample: FeatureSample, step: int, j: int) -> Eagle3Batch | None:
+        return make_eagle3_batch(sample, self.cfg.ttt_steps)  # deterministic: every row is used
+
+    def weight(self, b: Eagle3Batch) -> float:
+        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.decays))
+
+    def loss(self, drafter, b: Eagle3Batch) -> LossStats:
+        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
+        return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
+
+
+def build_drafter(dcfg: DFlashConfig | Eagle3Config, target_model, draft_vocab=None):
+    """The drafter of `dcfg`'s kind; EAGLE-3 takes `draft_vocab` = (d2t, t2d) from tokenize."""
+    if isinstance(dcfg, Eagle3Config):
+        if draft_vocab is None:
+            raise ConfigError("an EAGLE-3 drafter needs the draft vocabulary (d2t, t2d) of the tokenize stage")
+        return Eagle3Drafter(dcfg, target_model, *draft_vocab)
+    return DFlashDrafter(dcfg, target_model)
+
+
+def make_objective(dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig):
+    return Eagle3Objective(dcfg, tcfg) if isinstance(dcfg, Eagle3Config) else DFlashObjective(dcfg, tcfg)
+
+
 # ----------------------------------------------------------------------------- one step
 
 
@@ -132,12 +250,12 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
 class _Run:
     """The live objects of one training run."""
 
-    drafter: DFlashDrafter
+    drafter: DFlashDrafter | Eagle3Drafter
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     samples: list[FeatureSample]
     tcfg: TrainConfig
-    gamma: float
+    objective: DFlashObjective | Eagle3Objective
     total: int
     out_dir: str
     meta: dict
@@ -154,30 +272,23 @@ def _train_step(run: _Run, seqs: list[tuple[int, FeatureSample]], step: int) -> 
     Raises:
         DraftflowError: the loss or the gradient is NaN/inf (nothing is updated).
     """
-    cfg, tcfg, B = run.drafter.config, run.tcfg, run.drafter.config.block_size
-    batches = [
-        build_training_batch(s, B, tcfg.num_anchors, anchor_generator(tcfg.seed, step, j), cfg.mask_token_id)
-        for j, s in seqs
-    ]
+    tcfg, obj = run.tcfg, run.objective
+    batches = [obj.batch(s, step, j) for j, s in seqs]
     batches = [b for b in batches if b is not None]
-    weights = slot_weights(B, run.gamma)
     # Normalise by the whole (global) step's valid weight, known before any forward pass.
-    w_local = sum(float((weights * (b.labels.view(-1, B) != IGNORE)).sum()) for b in batches)
+    w_local = sum(obj.weight(b) for b in batches)
     w_total = float(all_reduce_sum(torch.tensor([w_local], dtype=torch.float64), run.env))
     run.opt.zero_grad(set_to_none=True)
     stats = []
     for b in batches:
-        b = b.to(run.device)
-        logits = run.drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
-        st = dflash_loss(logits, b.labels, B, run.gamma)
+        st = obj.loss(run.drafter, b.to(run.device))
         if w_total > 0:
             (st.weighted_sum / w_total).backward()  # summed over ranks by sync_gradients
         stats.append(st)
     params = [p for p in run.drafter.parameters() if p.requires_grad]
-    if w_total > 0:
-        sync_gradients(params, run.env)
-    rec = _global_record(_step_record(stats, w_total, B, skipped=len(seqs) - len(batches)), run.env)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, tcfg.grad_clip)
+    sync_gradients(params, run.env, run.drafter, backward=w_total > 0)  # FSDP: pads passes, reduces
+    rec = _global_record(_step_record(stats, w_total, obj.n_slots, skipped=len(seqs) - len(batches)), run.env)
+    grad_norm = clip_gradients(params, tcfg.grad_clip)
     if (rec["loss"] is not None and not math.isfinite(rec["loss"])) or not torch.isfinite(grad_norm):
         raise DraftflowError(
             f"training diverged at step {step + 1}: loss {rec['loss']}, grad norm {float(grad_norm)}; "
@@ -207,8 +318,8 @@ def _global_record(rec: dict, env: DistEnv) -> dict:
     }
 
 
-def _step_record(stats: list[LossStats], w_total: float, block_size: int, skipped: int) -> dict:
-    zeros = torch.zeros(block_size - 1, dtype=torch.float64)
+def _step_record(stats: list[LossStats], w_total: float, n_slots: int, skipped: int) -> dict:
+    zeros = torch.zeros(n_slots, dtype=torch.float64)
     return {
         "loss": sum(float(s.weighted_sum.detach()) for s in stats) / w_total if w_total > 0 else None,
         "correct": sum((s.correct for s in stats), zeros).tolist(),
@@ -219,12 +330,16 @@ def _step_record(stats: list[LossStats], w_total: float, block_size: int, skippe
     }
 
 
-def _run_meta(samples: list[FeatureSample], dcfg: DFlashConfig, tcfg: TrainConfig) -> dict:
+def _run_meta(samples: list[FeatureSample], dcfg, tcfg: TrainConfig, draft_vocab=None) -> dict:
     """What a checkpoint must agree with to be resumed (device and cadence may change)."""
-    launch = {"device", "checkpoint_every", "nproc_per_node", "nnodes", "rdzv_endpoint"}
+    launch = {"device", "checkpoint_every", "nproc_per_node", "nnodes", "rdzv_endpoint", "launcher", "parallel",
+              "timeout_s"}
     train = tcfg.model_dump(mode="json", exclude=launch)  # the global batch, not its split
     ids = hashlib.sha256("\n".join(_sample_ids(samples)).encode()).hexdigest()
-    return {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
+    meta = {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
+    if draft_vocab is not None:  # EAGLE-3: another draft vocabulary is another run
+        meta["draft_vocab_sha256"] = hashlib.sha256(draft_vocab[0].cpu().numpy().tobytes()).hexdigest()
+    return meta
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -241,24 +356,28 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 
 
 def train_drafter(
-    samples: list[FeatureSample], target_model, dcfg: DFlashConfig, tcfg: TrainConfig, out_dir: str, resume: bool = True
+    samples: list[FeatureSample], target_model, dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig, out_dir: str,
+    resume: bool = True, draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict:
-    """Train a DFlash drafter on feature samples; checkpoint and resume in `out_dir`.
+    """Train a DFlash or EAGLE-3 drafter (by `dcfg`'s type) on feature samples; checkpoint and resume in `out_dir`.
 
     Args:
-        samples: sequences with tap features in `dcfg.target_layer_ids` order: a list, or
-            an online source with `__len__`, `sample_ids` and `take(indices)`.
+        samples: sequences with features in `dcfg`'s order (DFlash: `target_layer_ids`;
+            EAGLE-3: `feature_ids`, the 3 taps then FINAL): a list, or an online source
+            with `__len__`, `sample_ids` and `take(indices)`.
         target_model: the HF target; only its embedding and LM head are used (frozen,
             and moved to the training device with the drafter).
         dcfg: drafter shape. tcfg: the `train` config section.
         out_dir: local folder; gets `checkpoints/`, the final drafter
-            (`model.safetensors`, `config.json`, loadable by `DFlashDrafter.load`)
+            (`model.safetensors`, `config.json`, loadable by the drafter class's `load`)
             and `metrics.json`.
         resume: continue from the newest checkpoint in `out_dir` when there is one.
+        draft_vocab: EAGLE-3 only: (d2t, t2d) from the tokenize stage.
 
     Returns:
-        Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1,
-        tau_est, steps, trainable_params, frozen_params, skipped_sequences.
+        Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1
+        (EAGLE-3: per unroll step), tau_est, steps, trainable_params, frozen_params,
+        skipped_sequences.
     """
     if not samples:
         raise ConfigError("no training samples: the extract stage produced no features")
@@ -267,14 +386,15 @@ def train_drafter(
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
-    drafter = DFlashDrafter(dcfg, target_model).to(device)
+    drafter = build_drafter(dcfg, target_model, draft_vocab).to(device)
+    drafter = prepare_model(drafter, tcfg, env, device)  # FSDP2 shards (train.parallel), bf16 autocast on CUDA
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     total = total_steps(len(samples), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
-    gamma = tcfg.gamma or default_gamma(dcfg.block_size)
-    meta = _run_meta(samples, dcfg, tcfg)
-    run = _Run(drafter, opt, sched, samples, tcfg, gamma, total, out_dir, meta, device, env, _lengths(samples))
+    objective = make_objective(dcfg, tcfg)
+    meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
+    run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples))
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
@@ -282,8 +402,8 @@ def train_drafter(
         logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
     _run_steps(run, state)
     metrics = _metrics(state, drafter)
+    save_drafter(drafter, out_dir, env)  # every rank: FSDP gathers the shards
     if env.is_main:
-        drafter.save(out_dir)
         (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
@@ -307,12 +427,13 @@ def _run_steps(run: _Run, state: dict) -> None:
         state["history"].append(rec["loss"])
         state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
         state["skipped"] += rec["skipped"]
+        progress.report("train", state["step"], run.total, "steps")
         if state["step"] % log_every == 0 or state["step"] == run.total:
             lr = run.sched.get_last_lr()[0]
             logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
         due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
-        if due and run.env.is_main:
-            save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta)
+        if due:  # every rank: FSDP gathers the shards; rank 0 writes
+            save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
 
 
 def _fmt(loss: float | None) -> str:

@@ -50,6 +50,11 @@ class DFlashConfig:
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
+    @property
+    def feature_ids(self) -> list[int]:
+        """What a feature shard must hold, in order (the taps; EAGLE-3 adds the final state)."""
+        return list(self.target_layer_ids)
+
     @classmethod
     def from_target(cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None) -> DFlashConfig:
         """Build from the target's HF config and the run's `drafter` section.

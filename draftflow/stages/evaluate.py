@@ -49,12 +49,14 @@ def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: b
 def load_drafter(store: Store, trained: dict[str, Any], model):
     """The trained drafter around the target's shared embedding and head (checksums verified)."""
     from draftflow.models.dflash import DFlashDrafter
+    from draftflow.models.eagle3 import Eagle3Drafter
 
     with tempfile.TemporaryDirectory(prefix="draftflow-drafter-") as folder:
         for s in trained["manifest"]["shards"]:
             local = store.verify_sha("train", trained["fingerprint"], s)
             (Path(folder) / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
-        return DFlashDrafter.load(folder, model)
+        arch = json.loads((Path(folder) / "config.json").read_text()).get("architecture")
+        return (Eagle3Drafter if arch == "Eagle3Drafter" else DFlashDrafter).load(folder, model)
 
 
 def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
@@ -62,10 +64,16 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
     lines = [f"# {cfg.name}: drafter evaluation", "",
              f"- mean acceptance length **τ = {tau}** over {stats['steps']} steps, "
              f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
-             f"- block size {cfg.drafter.block_size}, max new tokens {cfg.evaluate.max_new_tokens}", "",
+             f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}", "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
     return "\n".join(lines) + "\n"
+
+
+def _drafting(cfg: RunConfig) -> str:
+    if cfg.drafter.kind == "eagle3":
+        return f"EAGLE-3 chain of {cfg.drafter.ttt_steps} drafts per step"
+    return f"block size {cfg.drafter.block_size}"
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],

@@ -1,7 +1,8 @@
 """Extract: the target's hidden states at the drafter's taps, packed in feature shards.
 
 Tap ids follow DFlash semantics (`draftflow.layers`): id L is the output of
-decoder layer L, `hidden_states[L + 1]`. A capture engine (`draftflow.capture`:
+decoder layer L, `hidden_states[L + 1]`; for `drafter.kind: eagle3` the three
+taps are followed by `layers.FINAL`, the target's final normed hidden state. A capture engine (`draftflow.capture`:
 transformers hooks on the tap layers only, or vLLM) runs length-sorted batches,
 halved on CUDA out-of-memory; features are stored bf16, fp32 or fp8 with
 per-token scales (`draftflow.features`), many samples per shard.
@@ -27,11 +28,12 @@ from typing import Any
 
 import torch
 
+from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
-from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
+from draftflow.layers import FINAL, default_dflash_layer_ids, eagle3_taps, validate_layer_ids
 from draftflow.stages.common import shard_result
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef
@@ -41,8 +43,11 @@ STAGE = "extract"
 
 
 def drafter_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
-    """The configured taps, or the paper's default, validated against the target depth."""
+    """The feature ids to store: the configured taps, or the kind's default, validated against
+    the target depth; EAGLE-3 adds `FINAL` (the target's final normed hidden state, for soft targets)."""
     ids = cfg.drafter.target_layer_ids
+    if cfg.drafter.kind == "eagle3":
+        return eagle3_taps(ids, num_target_layers) + [FINAL]
     if ids is None:
         ids = default_dflash_layer_ids(num_target_layers, cfg.drafter.num_taps)
     return validate_layer_ids(ids, num_target_layers)
@@ -121,6 +126,7 @@ def extract_rows(store: Store, fp: str, cfg: RunConfig, target: TargetRef, name:
         samples = [FeatureSample(sample_key(r), torch.tensor(r["input_ids"]),
                                  torch.tensor(r["loss_mask"], dtype=torch.bool), f) for r, f in zip(chunk, feats)]
         _save_part(store, fp, name, first_part + k, samples, layer_ids, xcfg.dtype)
+        progress.report(STAGE, len(rows) - len(todo) + lo + len(chunk), len(rows), part=name)
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: str,
@@ -138,8 +144,9 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: 
         parts = _open_parts(store, _part_paths(store, fp, name), tmp)
         with store.writing(store.stage_path(STAGE, fp, name)) as out:
             tokens = merge_feature_shards(out, parts, [sample_key(r) for r in rows])
+            # tokenize_fingerprint: where train finds the draft vocabulary (EAGLE-3's d2t/t2d).
             entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard["split"], layer_ids=layer_ids,
-                                dtype=cfg.extract.dtype)
+                                dtype=cfg.extract.dtype, tokenize_fingerprint=tok_fp)
     _clear_parts(store, fp, name)
     log.info("extracted %s: %d sequences, %d tokens, taps %s, %s", name, len(rows), tokens, layer_ids,
              cfg.extract.dtype)

@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from draftflow import progress
 from draftflow.config import RegenerateConfig, RunConfig
 from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_table, template_kwargs, write_rows
 from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
@@ -225,6 +226,7 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, curate_f
                                            provenance, limit)
         done, rejects, cut = done + out, rejects + rej, cut + n_cut
         save_partial(store, fp, name, done, rejects)
+        progress.report(STAGE, len(done) + len(rejects), len(rows), part=name)
     return _finish_shard(store, fp, shard, rows, done, rejects, cut)
 
 

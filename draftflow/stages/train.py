@@ -1,4 +1,7 @@
-"""Train stage: feature shards -> a DFlash drafter checkpoint.
+"""Train stage: feature shards -> a drafter checkpoint (DFlash, or EAGLE-3 with `drafter.kind: eagle3`).
+
+EAGLE-3 also reads the draft vocabulary (d2t/t2d) written by the tokenize stage that fed
+extract (`draft_vocab`), and its feature shards hold the target's final normed state too.
 
 Training runs in a local work folder (`<root>/train/<fp>/work` for a local
 root) that keeps periodic checkpoints, so a crashed run resumes from its last
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +25,18 @@ import torch
 
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
-from draftflow.export import EXPORT_FILES, export_speculators, export_vllm_dflash
+from draftflow.export import (
+    EXPORT_FILES,
+    export_eagle3_speculators,
+    export_eagle3_vllm,
+    export_speculators,
+    export_vllm_dflash,
+)
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
+from draftflow.launch import use_torchrun
 from draftflow.metrics import write_metrics
 from draftflow.models.dflash import DFlashConfig
+from draftflow.models.eagle3 import Eagle3Config
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
 from draftflow.target import TargetRef, load_target, resolve_device
@@ -40,14 +52,44 @@ def mask_token_id(tokenizer) -> int:
     return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
 
 
-def check_taps(dcfg: DFlashConfig, shards: list[dict[str, Any]]) -> None:
-    """The drafter's taps must be the ones the features were extracted at."""
+def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: list[dict[str, Any]]) -> None:
+    """The drafter's taps (EAGLE-3: and the final state, id -1) must be the ones the features were extracted at."""
     for s in shards:
-        if list(s["layer_ids"]) != list(dcfg.target_layer_ids):
+        if list(s["layer_ids"]) != dcfg.feature_ids:
             raise ConfigError(
                 f"feature shard {s['name']} holds taps {s['layer_ids']} but the drafter wants "
-                f"{dcfg.target_layer_ids}; re-run extract with the same drafter.target_layer_ids"
+                f"{dcfg.feature_ids}; re-run extract with the same drafter.kind and drafter.target_layer_ids"
             )
+
+
+def draft_vocab(store: Store, features: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) of the tokenize stage the features came from (checksum verified).
+
+    Raises:
+        ConfigError: the extract manifest does not name its tokenize stage, or that stage has no vocabulary.
+    """
+    from safetensors.torch import load_file
+
+    m = features["manifest"]
+    if m["extra"].get("mode") == "online":
+        fps = {m["extra"]["tokenize"]["fingerprint"]}
+    else:
+        fps = {s.get("tokenize_fingerprint") for s in data_shards(m, "train")}
+    tm = store.read_manifest("tokenize", next(iter(fps))) if len(fps) == 1 and None not in fps else None
+    entry = next((e for e in (tm or {}).get("shards", []) if e.get("kind") == "draft_vocab"), None)
+    if entry is None:
+        raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's draft_vocab.safetensors, but the features "
+                          f"name tokenize stage(s) {sorted(map(str, fps))} without one; re-run tokenize and extract")
+    maps = load_file(store.verify_sha("tokenize", next(iter(fps)), entry))
+    return maps["d2t"], maps["t2d"]
+
+
+def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
+    """(the drafter config of `drafter.kind`, the draft vocabulary for EAGLE-3 else None)."""
+    if cfg.drafter.kind == "eagle3":
+        d2t, t2d = draft_vocab(store, features)
+        return Eagle3Config.from_target(model.config, cfg.drafter, d2t.numel()), (d2t, t2d)
+    return DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer)), None
 
 
 def work_dir(store: Store, fp: str) -> str:
@@ -59,19 +101,19 @@ def work_dir(store: Store, fp: str) -> str:
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
         features: dict[str, Any]) -> dict[str, Any]:
-    """Train the drafter on every train feature shard (or online features); return the stage manifest."""
-    from draftflow.train import train_drafter
+    """Train the drafter on every train feature shard (or online features); return the stage manifest.
 
-    model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
-    dcfg = DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer))
-    samples, tokens = training_samples(store, cfg, target, dcfg, features)
+    In this process, or in torchrun child processes (`draftflow.launch.use_torchrun`); the
+    manifest is written here, last, only after training succeeded.
+    """
     out = work_dir(store, fp)
-    metrics = train_drafter(samples, model, dcfg, cfg.train, out)
+    trained = (train_in_children if use_torchrun(cfg.train) else train_here)(store, cfg, target, features, out)
+    metrics, tokens = trained.metrics, trained.tokens
     entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
-    files = [commit_file(store, fp, out, f, f) for f in write_outputs(out, metrics, model.config,
-                                                                     cfg.target.path or target.path)]
-    result = {"shard": None, "rejected": None, "rows_in": len(samples), "rows_out": len(samples), "dropped": {}}
+    files = [commit_file(store, fp, out, f, f) for f in write_outputs(out, metrics, trained.target_config,
+                                                                     cfg.target.path or target.path, cfg.drafter.kind)]
+    result = {"shard": None, "rejected": None, "rows_in": trained.rows, "rows_out": trained.rows, "dropped": {}}
     manifest_results = [result] + [{"shard": e | {"tokens": 0}, "rejected": None, "rows_in": 0, "rows_out": 0,
                                     "dropped": {}} for e in entries]
     extra = {"checkpoint": store.url(store.stage_path(STAGE, fp, "checkpoint")), "metrics": metrics,
@@ -81,6 +123,68 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     return finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
 
 
+# ----------------------------------------------------------------------------- where training runs
+
+
+@dataclass
+class Trained:
+    """What the stage needs from a finished training run."""
+
+    metrics: dict[str, Any]
+    target_config: Any  # the target's HF config, as loaded for training (exports read it)
+    rows: int  # training sequences
+    tokens: int  # their tokens
+
+
+def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any], out: str) -> Trained:
+    """Load the target, the drafter config and the samples, and train in this process.
+
+    The in-process path, and what each torchrun rank runs (`draftflow.launch`).
+    """
+    from draftflow.train import train_drafter
+
+    model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
+    dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
+    samples, tokens = training_samples(store, cfg, target, dcfg, features)
+    metrics = train_drafter(samples, model, dcfg, cfg.train, out, draft_vocab=vocab)
+    return Trained(metrics, model.config, len(samples), tokens)
+
+
+def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any],
+                      out: str) -> Trained:
+    """Train in `train.nproc_per_node` torchrun processes on this node (see `draftflow.launch`).
+
+    The spec names the store root, the features manifest (its shards: feature files, or the
+    tokenize rows of online mode), the resolved config, the target and the work folder.
+    Remote inputs are downloaded and verified here once, so the ranks find them cached.
+    """
+    from transformers import AutoConfig
+
+    from draftflow.launch import launch_training
+
+    if not store.is_local:
+        prefetch_inputs(store, cfg, features)
+    spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
+            "features": features, "out_dir": out}
+    result = launch_training(spec, cfg.train, out)
+    target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
+    return Trained(result["metrics"], target_config, result["rows"], result["tokens"])
+
+
+def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> None:
+    """Download (and checksum) every input shard of training into the local cache."""
+    m = features["manifest"]
+    if m["extra"].get("mode") == "online":
+        tok = m["extra"]["tokenize"]
+        for s in tok["shards"]:
+            store.verify_sha("tokenize", tok["fingerprint"], s)
+    else:
+        for s in data_shards(m, "train"):
+            store.verify_sha("extract", features["fingerprint"], s)
+    if cfg.drafter.kind == "eagle3":
+        draft_vocab(store, features)
+
+
 def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[str, Any]:
     """Copy `out/local` to `train/<fp>/<name>` atomically; return its manifest entry (bytes, sha256)."""
     with store.writing(store.stage_path(STAGE, fp, *name.split("/"))) as tmp:
@@ -88,22 +192,25 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[
         return shard_entry(name, tmp, rows=0)
 
 
-def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, verifier: str) -> list[str]:
-    """Metrics files and both serving exports of the trained drafter in `out`; paths relative to it."""
-    export_vllm_dflash(out, Path(out) / "export" / "vllm", target_config)
-    export_speculators(out, Path(out) / "export" / "speculators", target_config, verifier=verifier)
+def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, verifier: str,
+                  kind: str = "dflash") -> list[str]:
+    """Metrics files and both serving exports (of `kind`) of the trained drafter in `out`; paths relative to it."""
+    vllm, speculators = {"dflash": (export_vllm_dflash, export_speculators),
+                         "eagle3": (export_eagle3_vllm, export_eagle3_speculators)}[kind]
+    vllm(out, Path(out) / "export" / "vllm", target_config)
+    speculators(out, Path(out) / "export" / "speculators", target_config, verifier=verifier)
     exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in EXPORT_FILES]
     return write_metrics(out, metrics) + exports
 
 
-def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig,
+def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig | Eagle3Config,
                      features: dict[str, Any]) -> tuple[Any, int]:
     """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
     m = features["manifest"]
     if m["extra"].get("mode") == "online":
         tok = m["extra"]["tokenize"]
         paths = [store.verify_sha("tokenize", tok["fingerprint"], s) for s in tok["shards"]]
-        samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.target_layer_ids)
+        samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.feature_ids)
         return samples, samples.tokens
     shards = data_shards(m, "train")
     check_taps(dcfg, shards)

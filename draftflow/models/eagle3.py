@@ -1,0 +1,423 @@
+"""The EAGLE-3 drafter (arXiv 2503.01840): fused taps, one decoder layer, training-time test.
+
+Read top to bottom: the config, the unroll mask, the decoder layer, then `Eagle3Drafter`.
+
+Shape (as served by vLLM's `llama_eagle3.py`, `Eagle3LlamaForCausalLM`, and trained by
+vllm-project/speculators `models/eagle3/core.py`):
+  * `fc` (3D -> D, no bias) fuses the target's low/mid/high taps (concatenated in tap order).
+  * One Llama-style decoder layer (`midlayer`, no q/k norm) whose attention input is
+    concat(input_layernorm(embed(token)), hidden_norm(hidden)): 2D wide, so q/k/v_proj
+    take 2D inputs. The residual is the *hidden* stream (vLLM's `norm_before_residual=False`).
+  * `norm` then `lm_head` over the **draft vocabulary** (`draft_vocab_size` rows);
+    draft id i is target id `i + d2t[i]`, and `t2d` marks the target ids in the draft
+    vocabulary (both from the tokenize stage, kept as buffers and saved with the weights).
+  * The target's embedding is shared and frozen. The target's LM head is also borrowed,
+    frozen, only to turn its final normed hidden state into soft targets.
+
+Alignment (the one rule every part of draftflow follows; speculators `eagle3/data.py`
+`shift_batch` pairs `hidden_states[:-1]` with `input_ids[1:]` and the verifier's state
+`[1:]`): for a sequence x_0..x_{T-1} with target taps h_p and final normed state f_p,
+  * row t (t = 0..T-2) of unroll step 0 holds (h_t, embed(x_{t+1})) at RoPE position t and
+    predicts x_{t+2}; its soft target is softmax(target_head(f_{t+1}))[t2d], the target's
+    own distribution for x_{t+2};
+  * step i >= 1 feeds back the layer's output hidden of step i-1 at the same row (pre-norm,
+    as vLLM passes `hidden_prenorm` to the next draft), the token x_{t+1+i}, RoPE position
+    t+i, and predicts x_{t+2+i} against softmax(target_head(f_{t+1+i}))[t2d];
+  * a row of step i is supervised iff x_{t+2+i} exists and loss_mask[t+2+i] is set (the
+    predicted token's own mask, as DFlash labels are; speculators uses the input token's
+    mask, one position earlier) and the target's argmax at f_{t+1+i} is in the draft vocab.
+At decoding that is exactly chain drafting: the target has read x_0..x_n and produced
+x_{n+1}; the drafter's rows 0..n are (h_p, x_{p+1}) and draft j appends (g, x̂_{n+1+j}) at
+position n+j, g being the previous draft's output hidden (`draft_chain`).
+
+Unroll mask (`ttt_attention_mask`; speculators `eagle3/attention.py`,
+`create_combined_mask_mod` + `extend_dense_mask_for_draft_tokens`): row t of step i sees
+rows <= t of step 0 (the target-feature "cache") and exactly row t of steps 1..i. That is
+what chain drafting from anchor t sees, so the unroll equals decoding
+(tests/test_eagle3_model.py checks it against `draft_chain`).
+
+Key trade-off: step i attends over (i+1)*T keys with one dense boolean mask through SDPA:
+one definition of the rule, any device, at the cost of computing (and masking) the
+off-diagonal entries of steps 1..i.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+
+from draftflow.config import DrafterConfig
+from draftflow.errors import ConfigError, StoreError
+from draftflow.layers import FINAL, eagle3_taps
+from draftflow.models.attention import sdpa_attention
+from draftflow.models.dflash import (
+    CONFIG_NAME,
+    MLP,
+    WEIGHTS_NAME,
+    RMSNorm,
+    apply_rope,
+    rope_cos_sin,
+    write_weights_and_config,
+)
+
+# Prefixes of the target's modules shared into the drafter: frozen, never saved.
+SHARED_PREFIXES = ("embed_tokens.", "target_head.")
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class Eagle3Config:
+    """Drafter shape: dims copied from the target, taps and unroll from `DrafterConfig`."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_layer_ids: list[int]  # draftflow ids (output of layer L), low/mid/high
+    num_target_layers: int
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    architecture: str = field(default="Eagle3Drafter")
+
+    @property
+    def feature_ids(self) -> list[int]:
+        """What a feature shard must hold, in order: the 3 taps, then the final normed state."""
+        return [*self.target_layer_ids, FINAL]
+
+    @classmethod
+    def from_target(cls, target_config: Any, drafter: DrafterConfig, draft_vocab_size: int) -> Eagle3Config:
+        """Build from the target's HF config, the run's `drafter` section and the draft vocabulary size.
+
+        Raises:
+            ConfigError: bad taps, or `drafter.num_layers` set to anything but 1.
+        """
+        if "num_layers" in drafter.model_fields_set and drafter.num_layers != 1:
+            raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
+                              f"{drafter.num_layers}; remove it or set 1")
+        n_layers = int(target_config.num_hidden_layers)
+        heads = int(target_config.num_attention_heads)
+        cfg = cls(
+            hidden_size=int(target_config.hidden_size),
+            num_heads=heads,
+            num_kv_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
+            intermediate_size=int(target_config.intermediate_size),
+            rms_norm_eps=float(target_config.rms_norm_eps),
+            rope_theta=float(getattr(target_config, "rope_theta", 10000.0)),
+            vocab_size=int(target_config.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            target_layer_ids=eagle3_taps(drafter.target_layer_ids, n_layers),
+            num_target_layers=n_layers,
+            ttt_steps=drafter.ttt_steps,
+            ttt_decay=drafter.ttt_decay,
+        )
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ConfigError when the fields cannot make a drafter."""
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
+            raise ConfigError(f"draft vocabulary of {self.draft_vocab_size} tokens for a target vocabulary of "
+                              f"{self.vocab_size}; set tokenize.draft_vocab_size between 1 and {self.vocab_size}")
+        if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
+            raise ConfigError(f"drafter.ttt_steps must be >= 1 and 0 < drafter.ttt_decay <= 1, got "
+                              f"{self.ttt_steps} and {self.ttt_decay}")
+        eagle3_taps(self.target_layer_ids, self.num_target_layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:
+        """Inverse of `to_dict`; unknown keys are an error, not ignored."""
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"EAGLE-3 config has unknown keys {unknown}; was it written by draftflow?")
+        cfg = cls(**data)
+        cfg.target_layer_ids = list(cfg.target_layer_ids)
+        cfg.validate()
+        return cfg
+
+
+# ----------------------------------------------------------------------------- unroll mask
+
+
+def ttt_attention_mask(n_rows: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Keys row t of unroll step `step` may see (True = attend); see the module docstring.
+
+    Keys are laid out [step 0 rows 0..T-1, step 1 rows 0..T-1, ..., step `step` rows].
+
+    Returns:
+        (T, (step + 1) * T) bool.
+    """
+    row = torch.arange(n_rows, device=device)
+    causal = row[:, None] >= row[None, :]  # step 0: the target-feature rows up to t
+    same_row = row[:, None] == row[None, :]  # steps 1..i: only this row's own earlier drafts
+    return torch.cat([causal] + [same_row] * step, dim=1)
+
+
+# ----------------------------------------------------------------------------- the layer
+
+
+class Eagle3Attention(nn.Module):
+    """Llama GQA attention on 2D-wide inputs; keys/values of earlier unroll steps come in `past`."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.n_head, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        D2 = 2 * cfg.hidden_size  # EAGLE-3: [embedding, hidden] concatenated
+        self.q_proj = nn.Linear(D2, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(D2, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(D2, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, rope, past: list[tuple[torch.Tensor, torch.Tensor]], mask):
+        """x (B, T, 2D); past: k/v (B, Hkv, T, hd) of earlier steps; mask (B, T, (len(past)+1)*T).
+
+        Returns:
+            (B, T, D) output and this step's (k, v).
+        """
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, self.n_head, self.hd).transpose(1, 2), *rope)
+        k = apply_rope(self.k_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2), *rope)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        keys = torch.cat([pk for pk, _ in past] + [k], dim=2)  # (B, Hkv, (i+1)*T, hd)
+        values = torch.cat([pv for _, pv in past] + [v], dim=2)
+        y = sdpa_attention(q, keys, values, mask, self.scale)  # (B, H, T, hd)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd)), (k, v)
+
+
+class Eagle3Layer(nn.Module):
+    """The single decoder layer (`midlayer`, vLLM's and EAGLE-3's name for it)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, emb, hidden, rope, past, mask):
+        # EAGLE-3: attention reads [input_layernorm(embedding), hidden_norm(hidden)] (embedding
+        # first, as vLLM concatenates); the residual stream is the un-normed hidden.
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2D)
+        a, kv = self.self_attn(x, rope, past, mask)
+        h = hidden + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+class Eagle3Drafter(nn.Module):
+    """EAGLE-3 drafter sharing the target's frozen embedding (and, for soft targets, its LM head).
+
+    Args:
+        cfg: the drafter's shape.
+        target_model: the HF causal LM whose embedding and LM head are borrowed (same modules).
+        d2t: (draft_vocab_size,) int64, draft id i -> target id i + d2t[i]; None = zeros
+            (to be loaded with the weights).
+        t2d: (vocab_size,) bool, target ids in the draft vocabulary; None = the first ids.
+
+    Raises:
+        ConfigError: widths that disagree with the target, or d2t/t2d that disagree with each other.
+    """
+
+    def __init__(self, cfg: Eagle3Config, target_model: nn.Module, d2t: torch.Tensor | None = None,
+                 t2d: torch.Tensor | None = None):
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        embed, head = target_model.get_input_embeddings(), target_model.get_output_embeddings()
+        _check_shared(cfg, embed, head)
+        self.embed_tokens = embed.requires_grad_(False)  # EAGLE-3: the target's, frozen, never saved
+        self.target_head = head.requires_grad_(False)  # soft targets only; never saved
+        D = cfg.hidden_size
+        self.fc = nn.Linear(3 * D, D, bias=False)  # EAGLE-3: fuse low/mid/high taps
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(D, cfg.draft_vocab_size, bias=False)  # draft vocabulary only
+        d2t, t2d = _vocab_maps(cfg, d2t, t2d)
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        for module in [self.fc, *self.midlayer.modules()]:
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)  # HF initializer_range
+        with torch.no_grad():  # draftflow's choice: start the draft head at the target head's rows
+            rows = self.draft_to_target(torch.arange(cfg.draft_vocab_size)).to(head.weight.device)
+            self.lm_head.weight.copy_(head.weight[rows])
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft ids (`i + d2t[i]`)."""
+        d2t = self.d2t.to(draft_ids.device)
+        return draft_ids + d2t[draft_ids]
+
+    def step(self, ids, hidden, pos, past, mask) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """One pass of the layer: ids (B, T) tokens, hidden (B, T, D) hidden stream, pos (B, T)
+        RoPE positions, past k/v of earlier steps, mask (B, T, keys) -> (pre-norm hidden, (k, v))."""
+        dtype = self.fc.weight.dtype
+        emb = self.embed_tokens(ids).to(dtype)
+        rope = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
+        return self.midlayer(emb, hidden.to(dtype), rope, past, mask)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits of layer outputs."""
+        return self.lm_head(self.norm(hidden))
+
+    def unroll(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor) -> list[torch.Tensor]:
+        """The training-time-test unroll: one logits tensor (B, T, Vd) per step.
+
+        Args:
+            feats: (B, T, 3D) target taps of rows 0..T-1 (concatenated in tap order).
+            step_ids: (B, K, T) input token of every row at every step (see the module docstring).
+            pos: (B, T) RoPE positions of step 0 (step i uses pos + i).
+        """
+        hidden = self.fc(feats.to(self.fc.weight.dtype))  # (B, T, D)
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        out = []
+        for i in range(step_ids.shape[1]):
+            mask = ttt_attention_mask(feats.shape[1], i, feats.device)[None]
+            hidden, kv = self.step(step_ids[:, i], hidden, pos + i, past, mask)
+            past.append(kv)  # the unroll's "cache": step i's keys at every row
+            out.append(self.logits(hidden))
+        return out
+
+    @torch.no_grad()
+    def soft_targets(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's distribution over the draft vocabulary, from its final normed hidden states.
+
+        Returns:
+            probs (..., Vd) fp32 summing to 1, and in_vocab (...) bool: the target's argmax
+            (over its whole vocabulary) is a draft token; rows without it are not supervised.
+        """
+        logits = self.target_head(final_hidden.to(self.target_head.weight.dtype)).float()  # (..., V)
+        t2d = self.t2d.to(logits.device)
+        in_vocab = t2d[logits.argmax(-1)]
+        return F.softmax(logits[..., t2d], dim=-1), in_vocab  # columns in draft-id order
+
+    def forward(self, feats, step_ids, pos, final_hidden):
+        """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets.
+
+        Returns:
+            (list of K (B, T, Vd) logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D).
+        """
+        return (self.unroll(feats, step_ids, pos), *self.soft_targets(final_hidden))
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every drafter weight and the d2t/t2d buffers; not the shared target modules."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
+
+    def param_counts(self) -> tuple[int, int]:
+        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        return trainable, frozen
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write `model.safetensors` (own weights + d2t/t2d) and `config.json` to a local dir."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
+        write_weights_and_config(out_dir, tensors, self.config.to_dict())
+
+    @classmethod
+    def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:
+        """Rebuild a saved drafter around `target_model`'s embedding and head.
+
+        Raises:
+            StoreError: files missing, or weights that do not match the config exactly.
+        """
+        folder = Path(in_dir)
+        if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+            raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
+        cfg = Eagle3Config.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
+        return cls.from_weights(cfg, load_file(str(folder / WEIGHTS_NAME)), target_model, str(folder))
+
+    @classmethod
+    def from_weights(cls, cfg: Eagle3Config, weights: dict[str, torch.Tensor], target_model: nn.Module,
+                     where: str) -> Eagle3Drafter:
+        """A drafter holding exactly `weights` (draftflow names, d2t/t2d included)."""
+        model = cls(cfg, target_model, weights.get("d2t"), weights.get("t2d"))
+        expected = set(model.trainable_state_dict())
+        if set(weights) != expected:
+            raise StoreError(f"{where} weights do not match its config: missing {sorted(expected - set(weights))[:5]}, "
+                             f"unexpected {sorted(set(weights) - expected)[:5]}")
+        model.load_state_dict(weights, strict=False)
+        return model.to(target_model.get_input_embeddings().weight.device)
+
+
+@torch.no_grad()
+def draft_chain(drafter: Eagle3Drafter, feats: torch.Tensor, next_ids: list[int], depth: int,
+                forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Chain drafting without a KV cache: `depth` greedy drafts after the target's latest token.
+
+    Args:
+        feats: (n+1, 3D) target taps at positions 0..n (the tokens the target has read).
+        next_ids: x_1..x_{n+1}: row p pairs h_p with x_{p+1}; x_{n+1} is the target's newest token.
+        depth: drafts to make.
+        forced: feed these tokens back instead of the drafts (teacher forcing, for tests).
+
+    Returns:
+        (draft tokens as target ids, the draft-vocabulary logits of each draft).
+    """
+    device = drafter.fc.weight.device
+    ids = torch.tensor(next_ids, dtype=torch.long, device=device)
+    hidden = drafter.fc(feats.to(device, drafter.fc.weight.dtype))  # (n+1, D)
+    pos = torch.arange(len(next_ids), device=device)
+    drafts: list[int] = []
+    logits: list[torch.Tensor] = []
+    for j in range(depth):
+        mask = ttt_attention_mask(ids.numel(), 0, device)[None]  # plain causal over all rows
+        h, _ = drafter.step(ids[None], hidden[None], pos[None], [], mask)
+        out = drafter.logits(h[0, -1])  # the newest row predicts the next token
+        token = int(drafter.draft_to_target(out.argmax()[None]))
+        drafts.append(token)
+        logits.append(out)
+        fed = forced[j] if forced is not None else token
+        # Draft j+1: this draft's output hidden with the fed token, one position further.
+        ids = torch.cat([ids, ids.new_tensor([fed])])
+        hidden = torch.cat([hidden, h[0, -1:]])
+        pos = torch.cat([pos, pos[-1:] + 1])
+    return drafts, logits
+
+
+def _vocab_maps(cfg: Eagle3Config, d2t, t2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked d2t/t2d buffers: draft id i is the i-th target id marked in t2d."""
+    n, V = cfg.draft_vocab_size, cfg.vocab_size
+    d2t = torch.zeros(n, dtype=torch.int64) if d2t is None else d2t.to("cpu", torch.int64)
+    t2d = (torch.arange(V) < n) if t2d is None else t2d.to("cpu", torch.bool)
+    if d2t.shape != (n,) or t2d.shape != (V,):
+        raise ConfigError(f"draft vocabulary maps have shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)}; the "
+                          f"drafter needs ({n},) and ({V},): re-run tokenize with this target and draft_vocab_size")
+    if not torch.equal(torch.arange(n) + d2t, t2d.nonzero().squeeze(1)):
+        raise ConfigError("draft vocabulary maps disagree (i + d2t[i] must list the ids marked in t2d, "
+                          "ascending); re-run the tokenize stage")
+    return d2t, t2d
+
+
+def _check_shared(cfg: Eagle3Config, embed: nn.Module, head: nn.Module | None) -> None:
+    rows, width = embed.weight.shape
+    if width != cfg.hidden_size or head is None or tuple(head.weight.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise ConfigError(f"target embedding/LM head shapes {tuple(embed.weight.shape)} do not match the "
+                          f"EAGLE-3 config (vocab {cfg.vocab_size}, hidden {cfg.hidden_size}); build the "
+                          "Eagle3Config from this target's config")
+    if rows < cfg.vocab_size:
+        raise ConfigError(f"target embedding has {rows} rows, fewer than its vocab_size {cfg.vocab_size}")
