@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3]" moto[server]
+	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray]" moto[server]
 	touch $(STAMP)
 
 demo: $(STAMP)

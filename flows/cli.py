@@ -1,8 +1,9 @@
-"""`draftflow run|plan|server|deploy`: a config path plus dotted overrides, nothing more.
+"""`draftflow run|plan|status|server|deploy`: a config path plus dotted overrides, nothing more.
 
 Lives in the flows layer because `run` starts the Prefect pipeline flow. Bad
 input (missing config, unknown key, unreachable source, bad taps) is reported
-as one line before Prefect starts; nothing is written.
+as one line before Prefect starts; nothing is written. `run` draws progress
+bars on a terminal (plain progress lines every few seconds otherwise, on stderr).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 from draftflow.errors import DraftflowError
 
@@ -67,10 +69,17 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value by dotted path, e.g. train.lr=1e-3")
+    s = sub.add_parser("status", help="which stages of a run are complete, their counts and outputs")
+    s.add_argument("run", help="a run folder (e.g. runs/tiny, or s3://…) or the run's config YAML")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="with a config file: override a value by dotted path, as for run")
     s = sub.add_parser("server", help="start a local Prefect server with its UI")
     s.add_argument("--port", type=int, default=4200)
-    s = sub.add_parser("deploy", help="create the deployments in deployments/prefect.yaml")
-    s.add_argument("--all", action="store_true", default=True)
+    s = sub.add_parser("deploy", help="create the deployments in deployments/prefect.yaml (all by default)")
+    s.add_argument("--name", dest="names", action="append", default=[], metavar="DEPLOYMENT",
+                   help="only this deployment, e.g. draftflow-stage/curate (repeatable)")
+    s.add_argument("--gpu-slots", type=int, default=1,
+                   help="slots of the `gpu` concurrency limit when it is created (GPUs on the box)")
     return p
 
 
@@ -126,7 +135,8 @@ def cmd_run(args) -> int:
 
     _quiet_user_errors()
     start = time.time()
-    summary = pipeline(cfg)
+    with terminal_progress():
+        summary = pipeline(cfg)
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
@@ -139,19 +149,113 @@ def cmd_run(args) -> int:
     return 0
 
 
+@contextmanager
+def terminal_progress():
+    """Progress of long stages on stderr while the block runs: rich bars on a terminal, else a plain
+    line per stage every PLAIN_EVERY seconds (and when it ends)."""
+    from draftflow import progress
+
+    bars = _RichBars() if sys.stderr.isatty() else None
+    if bars is None:
+        progress.add_sink("terminal", lambda p: print(f"progress: {p.line()}", file=sys.stderr, flush=True),
+                          interval=PLAIN_EVERY)
+    else:
+        progress.add_sink("terminal", bars.update, interval=0.25)
+    try:
+        yield
+    finally:
+        progress.remove_sink("terminal")
+        if bars is not None:
+            bars.stop()
+
+
+PLAIN_EVERY = 10.0
+
+
+class _RichBars:
+    """One rich bar per stage, drawn on the console Prefect logs to (so log lines print above the bars)."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        console = next((h.console for h in logging.getLogger().handlers if hasattr(h, "console")), None)
+        # Explicit styles: Prefect's console has its own theme, without rich's `bar.*` styles.
+        bar = BarColumn(style="grey37", complete_style="cyan", finished_style="green", pulse_style="cyan")
+        self.bars = Progress(TextColumn("{task.description:<11}"), bar,
+                             TextColumn("{task.completed}/{task.total} {task.fields[unit]}  {task.fields[speed]}"),
+                             console=console or Console(stderr=True), transient=False)
+        self.tasks: dict[tuple[str, int], int] = {}
+        self.started = False
+
+    def update(self, p) -> None:
+        from draftflow.progress import duration
+
+        if not self.started:
+            self.bars.start()
+            self.started = True
+        key = (p.stage, p.session)
+        if key not in self.tasks:
+            self.tasks[key] = self.bars.add_task(p.stage, total=p.total or None, unit=p.unit, speed="")
+        speed = "" if p.rate is None else f"{p.rate:.3g} {p.unit}/s"
+        if p.eta is not None and not p.finished:
+            speed += f"  ETA {duration(p.eta)}"
+        elif p.finished:
+            speed += f"  {duration(p.elapsed)}"
+        self.bars.update(self.tasks[key], completed=p.done, total=p.total or None, speed=speed)
+
+    def stop(self) -> None:
+        if self.started:
+            try:
+                self.bars.stop()
+            except Exception as exc:  # a drawing problem must not fail a finished run
+                print(f"draftflow: progress bars: {exc}", file=sys.stderr)
+
+
 def cmd_server(args) -> int:
     _prefect_env()
-    cmd = ["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(args.port)]
+    from flows.deploy import prefect_command
+
+    cmd = [*prefect_command(), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)]
+    print(f"UI at http://127.0.0.1:{args.port}; in another shell: export PREFECT_API_URL=http://127.0.0.1:"
+          f"{args.port}/api, then draftflow run / deploy", file=sys.stderr)
     return subprocess.call(cmd)
 
 
 def cmd_deploy(args) -> int:
-    return subprocess.call(["prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"])
+    _prefect_env()
+    from flows.deploy import deploy
+
+    return deploy(args.names, args.gpu_slots)
+
+
+def cmd_status(args) -> int:
+    """One header line, then per stage: state, rows in -> out, dropped by reason, tokens, output folder."""
+    from draftflow.config import load_config
+    from draftflow.runinfo import recorded_config, stage_status
+
+    is_config = args.run.endswith((".yaml", ".yml")) or os.path.isfile(args.run)
+    if args.overrides and not is_config:
+        raise DraftflowError("--set needs the run's config file, not a run folder")
+    cfg = load_config(args.run, args.overrides) if is_config else recorded_config(args.run)
+    stages = stage_status(cfg)
+    done = sum(s["state"] == "complete" for s in stages)
+    print(f"run {cfg.name}  root {cfg.root}  {done}/{len(stages)} stages complete")
+    for s in stages:
+        if s["state"] != "complete":
+            where = s["path"] or "(waits for its inputs)"
+            print(f"  {s['stage']:<11} {s['state']:<9} {where}")
+            continue
+        dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
+        print(f"  {s['stage']:<11} {s['state']:<9} rows {s['rows_in']:>7} -> {s['rows_out']:<7} "
+              f"tokens {_num(s['tokens']):>11}  {_size(s['bytes']):>10}  dropped {dropped}  {s['path']}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"run": cmd_run, "plan": cmd_plan, "server": cmd_server, "deploy": cmd_deploy}[args.command]
+    handler = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "server": cmd_server,
+               "deploy": cmd_deploy}[args.command]
     try:
         return handler(args)
     except DraftflowError as exc:

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, unmapped
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.futures import as_completed
 
+from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.store import Store
+from flows.deploy import gpu_slot
 
 
 def artifact_key(*parts: str) -> str:
@@ -27,14 +30,25 @@ def artifact_key(*parts: str) -> str:
 
 
 def with_storage(task_fn, store: Store):
-    """Persist task results next to the run's data when the root is local.
+    """Persist task results under the run root: `<root>/_prefect_results`, local or remote.
 
-    Deleting a run folder then also forgets its cache records, so a cache hit
-    never points at data that is gone. S3 roots use Prefect's configured default.
+    Deleting a run folder (or prefix) then also forgets its cache records, so a cache hit
+    never points at data that is gone; and results outlive a container worker. A remote
+    root (s3://…) gets a `RemoteFileSystem` block (Prefect wants it saved; it is named after
+    the path) with no settings: each process that reads or writes results (the flow, a Ray
+    worker) finds credentials and endpoint in its own environment, so none is stored in
+    Prefect's database or in the results.
     """
     if store.is_local:
         return task_fn.with_options(result_storage=Path(store.base) / "_prefect_results")
-    return task_fn
+    import hashlib
+
+    from prefect.filesystems import RemoteFileSystem
+
+    basepath = store.url(store.path("_prefect_results"))
+    block = RemoteFileSystem(basepath=basepath)
+    block.save(f"draftflow-results-{hashlib.sha256(basepath.encode()).hexdigest()[:16]}", overwrite=True)
+    return task_fn.with_options(result_storage=block)
 
 
 def stage_result(store: Store, stage: str, fp: str, manifest: dict, status: str) -> dict[str, Any]:
@@ -58,10 +72,19 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
 
     Freshly computed shards are not re-checked: their task just hashed what it wrote.
     """
+    from flows.progress import track  # flows.progress imports this module
+
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
-    futures = task_fn.map(shard=shards, **fixed)
-    results = [f.result() for f in futures]
+    with gpu_slot(task_fn):
+        futures = task_fn.map(shard=shards, **fixed)
+        by_rows = all("rows" in s for s in shards)  # curate's source parts have no row count
+        track(kwargs["cfg"].name, stage, sum(s["rows"] for s in shards) if by_rows else len(shards),
+              "rows" if by_rows else "parts")
+        for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
+            _shard_done(stage, shards[futures.index(f)], f, by_rows)
+        results = [f.result() for f in futures]
+    progress.finish(stage)
     stage_dir = store.stage_path(stage, kwargs["fp"])
     cached = [r["shard"] for f, r in zip(futures, results) if f.state.name == "Cached" and r["shard"]]
     bad = {e["name"] for e in cached if not store.exists(f"{stage_dir}/{e['name']}")}
@@ -74,6 +97,15 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
     return results
 
 
+def _shard_done(stage: str, shard: dict, future, by_rows: bool) -> None:
+    """Count a finished shard (a cached one as found, not worked); a failed one counts nothing."""
+    future.wait()  # sets the future's final state (the API's copy of it may lag)
+    if future.state.is_completed():
+        out = future.result()["shard"]
+        n = shard["rows"] if by_rows else 1
+        progress.report(stage, n, n, part=out["name"] if out else shard["name"], skipped=future.state.name == "Cached")
+
+
 def publish_counts(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
     m = result["manifest"]
     rows = [{"stage": stage, "status": result["status"], "rows_in": m["rows_in"], "rows_out": m["rows_out"],
@@ -82,6 +114,43 @@ def publish_counts(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
                           description=f"{stage}: rows in/out and drops by reason ({result['path']})")
     get_run_logger().info("%s %s: %d rows in, %d out, dropped %s -> %s", stage, result["status"],
                           m["rows_in"], m["rows_out"], m["dropped"] or "nothing", result["path"])
+
+
+def _uri(location: str) -> str:
+    """A link the UI can open: URLs as they are, local paths as file:// URIs."""
+    return location if "://" in location else Path(location).resolve().as_uri()
+
+
+def publish_links(cfg: RunConfig, links: dict[str, str]) -> None:
+    """One link artifact per named output (`<run>-checkpoint`, `<run>-report`)."""
+    for what, location in links.items():
+        create_link_artifact(link=_uri(location), link_text=location, key=artifact_key(cfg.name, what),
+                             description=f"{cfg.name}: {what}")
+
+
+PLOT_MAX_BYTES = 512 << 10  # bigger plots are linked, not inlined
+
+
+def plots_markdown(stage_paths: list[str]) -> str:
+    """The stages' PNG plots inlined as data URIs (the UI cannot read the run folder), else linked."""
+    import base64
+
+    import fsspec
+
+    parts = []
+    for path in stage_paths:
+        fs, root = fsspec.core.url_to_fs(path)
+        for png in sorted(fs.glob(f"{root}/**/*.png")):
+            title = png[len(root):].lstrip("/")
+            if "work" in Path(title).parts:  # train's resume folder keeps its own copies
+                continue
+            stage = Path(root).parent.name
+            if fs.size(png) > PLOT_MAX_BYTES:
+                parts.append(f"- {stage} `{title}`: {_uri(png if '://' not in path else fs.unstrip_protocol(png))}")
+                continue
+            data = base64.b64encode(fs.cat_file(png)).decode()
+            parts.append(f"### {stage}: {title}\n\n![{title}](data:image/png;base64,{data})\n")
+    return "\n".join(parts)
 
 
 def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, Any]], description: str) -> None:

@@ -11,7 +11,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.runinfo import record_run
-from flows.common import artifact_key
+from flows.common import artifact_key, plots_markdown, publish_links
+from flows.deploy import gpu_slot
+from flows.progress import install as report_progress
 from flows.stages import curate_flow, evaluate_flow, extract_flow, regenerate_flow, tokenize_flow, train_flow
 from tasks.stage_tasks import prepare_target
 
@@ -20,13 +22,16 @@ from tasks.stage_tasks import prepare_target
 def pipeline(cfg: RunConfig) -> dict:
     """Run (or reuse) every stage; return the stage results and the final figures."""
     record_run(cfg)
+    report_progress(cfg.name)
     target = prepare_target(cfg)
     curated = curate_flow(cfg)
-    regenerated = regenerate_flow(cfg, target, curated)
+    regenerated = regenerate_flow(cfg, target, curated)  # GPU stages take their GPU slot inside
     tokenized = tokenize_flow(cfg, target, regenerated)
     features = extract_flow(cfg, target, tokenized)
-    trained = train_flow(cfg, target, features)
-    evaluated = evaluate_flow(cfg, target, curated, trained)
+    with gpu_slot():
+        trained = train_flow(cfg, target, features)
+    with gpu_slot():
+        evaluated = evaluate_flow(cfg, target, curated, trained)
     stages = [curated, regenerated, tokenized, features, trained, evaluated]
     summary = summarize(cfg, stages)
     publish_summary(cfg, summary)
@@ -52,9 +57,22 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
     create_table_artifact(table=rows, key=artifact_key(cfg.name, "pipeline"), description="stages of this run")
     create_markdown_artifact(
         key=artifact_key(cfg.name, "result"),
-        markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {summary['tau']}**\n\n"
-                 f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n",
+        markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {_tau(summary['tau'])}**\n\n"
+                 f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
+                 + _read_text(summary["report"]) + "\n" + plots_markdown([s["path"] for s in summary["stages"]]),
     )
+    publish_links(cfg, {"checkpoint": summary["checkpoint"], "report": summary["report"]})
+
+
+def _tau(tau: float | None) -> str:
+    return "n/a" if tau is None else f"{tau:.3f}"
+
+
+def _read_text(url: str) -> str:
+    import fsspec
+
+    with fsspec.open(url, "r") as fh:
+        return fh.read()
 
 
 @flow(name="draftflow-pipeline-from-file")
@@ -66,3 +84,77 @@ def pipeline_from_file(config_path: str, overrides: list[str] | None = None) -> 
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
     return pipeline(cfg)
+
+
+STAGE_FLOWS = {"curate": curate_flow, "regenerate": regenerate_flow, "tokenize": tokenize_flow,
+               "extract": extract_flow, "train": train_flow, "evaluate": evaluate_flow}
+
+
+def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, dict]) -> dict:
+    """Run (or reuse) one stage's flow given its upstream results (train and evaluate hold a GPU slot;
+    regenerate and extract take theirs around their GPU-tagged shard tasks)."""
+    from contextlib import nullcontext
+
+    from draftflow.plan import UPSTREAM
+
+    upstream = [results[u] for u in UPSTREAM[stage]]
+    with gpu_slot() if stage in ("train", "evaluate") else nullcontext():
+        return STAGE_FLOWS[stage](cfg) if stage == "curate" else STAGE_FLOWS[stage](cfg, target, *upstream)
+
+
+def needed(stage: str) -> list[str]:
+    """`stage` and every stage it depends on, in pipeline order."""
+    from draftflow.plan import STAGES, UPSTREAM
+
+    want, todo = set(), [stage]
+    while todo:
+        s = todo.pop()
+        want.add(s)
+        todo += UPSTREAM[s]
+    return [s for s in STAGES if s in want]
+
+
+def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, dict]:
+    """The upstream stages of `stage`, all complete in the run root; else a one-line error naming the first missing."""
+    from draftflow.errors import DraftflowError
+    from draftflow.runinfo import stage_status
+    from draftflow.store import Store
+    from draftflow.target import TargetRef
+    from flows.common import stage_result
+
+    status = {s["stage"]: s for s in stage_status(cfg, TargetRef(**target))}
+    ups = needed(stage)[:-1]
+    missing = [u for u in ups if status[u]["state"] != "complete"]
+    if missing:
+        raise DraftflowError(
+            f"stage {stage} needs {missing[0]} complete under {cfg.root} for this config; run the "
+            f"{missing[0]} deployment first, or this one with upstream=run")
+    store = Store(cfg.root)
+    return {u: stage_result(store, u, status[u]["fingerprint"], status[u]["manifest"], "reused") for u in ups}
+
+
+@flow(name="draftflow-stage", task_runner=ThreadPoolTaskRunner(max_workers=2))
+def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = None,
+                    upstream: str = "reuse") -> dict:
+    """Deployment entry point for one stage.
+
+    upstream="reuse": the stages it needs must be complete in the run root (found by fingerprint, never
+    re-run: a CPU pool never starts a GPU stage); "run": run or reuse them first, in order (the
+    pipeline up to `stage`). Returns the stage's result (status, fingerprint, path, manifest).
+    """
+    from draftflow.config import load_config
+    from draftflow.errors import ConfigError
+    from draftflow.plan import STAGES, preflight
+
+    if stage not in STAGES or upstream not in ("reuse", "run"):
+        raise ConfigError(f"stage must be one of {', '.join(STAGES)} and upstream reuse or run; "
+                          f"got stage={stage!r} upstream={upstream!r}")
+    cfg = load_config(config_path, overrides or [])
+    preflight(cfg)
+    record_run(cfg)
+    report_progress(cfg.name)
+    target = prepare_target(cfg)
+    results = {} if upstream == "run" else reused_upstream(cfg, target, stage)
+    for s in needed(stage) if upstream == "run" else [stage]:
+        results[s] = run_stage_flow(s, cfg, target, results)
+    return results[stage]

@@ -10,7 +10,6 @@ import os
 from collections import Counter
 
 from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.data.stats import table_rows
@@ -26,6 +25,7 @@ from draftflow.stages.train import online_manifest
 from draftflow.store import MANIFEST
 from draftflow.target import TargetRef
 from flows.common import map_shards, publish_table, reuse, run_stage
+from flows.runners import StageTaskRunner
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
 
@@ -38,7 +38,7 @@ def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
     return {"target": target["fingerprint"], **{k: v["digest"] for k, v in upstream.items()}}
 
 
-@flow(name="curate", task_runner=ThreadPoolTaskRunner(max_workers=os.cpu_count() or 2))
+@flow(name="curate", task_runner=StageTaskRunner("curate", max_workers=os.cpu_count() or 2))
 def curate_flow(cfg: RunConfig) -> dict:
     """Scan every source part in parallel, then one merge (dedup, mixture, split, shards)."""
     inputs, tokenizer = curate_inputs(cfg)  # fails here, before any work, on an unreachable source
@@ -53,7 +53,7 @@ def curate_flow(cfg: RunConfig) -> dict:
     return result
 
 
-@flow(name="regenerate")
+@flow(name="regenerate", task_runner=StageTaskRunner("regenerate"))
 def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
     inputs = _inputs(target, curate=curated)
 
@@ -66,7 +66,7 @@ def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
     return run_stage(cfg, "regenerate", inputs, work)
 
 
-@flow(name="tokenize")
+@flow(name="tokenize", task_runner=StageTaskRunner("tokenize"))
 def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
     inputs = _inputs(target, regenerate=regenerated)
 
@@ -82,7 +82,7 @@ def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
     return run_stage(cfg, "tokenize", inputs, work)
 
 
-@flow(name="extract")
+@flow(name="extract", task_runner=StageTaskRunner("extract"))
 def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
     """Feature shards are checked by size before the stage is reused (hashing terabytes every run
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task

@@ -87,6 +87,7 @@ def check_rows(
                 chat_template=cf.chat_template,
                 add_generation_prompt=True,
                 tokenize=True,
+                return_dict=False,  # ids, as vLLM asks for them (transformers 5 defaults to a dict)
                 **cf.template_kwargs,
                 **kw,
             )

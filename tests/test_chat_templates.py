@@ -77,7 +77,7 @@ def serving_ids(name: str, messages, kw) -> list[int]:
     cf = chat_format(name)
     return list(cf.tokenizer.apply_chat_template(
         messages, chat_template=cf.chat_template, add_generation_prompt=True, tokenize=True,
-        **FIXED, **cf.template_kwargs, **kw))
+        return_dict=False, **FIXED, **cf.template_kwargs, **kw))
 
 
 def check_span(name: str, messages, kw, turn: int, text: str) -> None:

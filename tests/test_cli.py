@@ -73,3 +73,60 @@ def test_s3_root_without_credentials_is_one_line(tmp_path):
                           timeout=300, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "draftflow: error: storage refused the request" in proc.stderr
+
+
+def test_status_of_a_folder_without_a_run_is_one_line(tmp_path):
+    _one_line_error(_cli("status", str(tmp_path)), f"no run found at {tmp_path} (it has no run.json)")
+
+
+def test_status_of_a_config_before_any_run_lists_every_stage(tmp_path):
+    proc = _cli("status", "configs/tiny.yaml", "--set", f"root={tmp_path}/r")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].endswith("0/6 stages complete")
+    assert [line.split()[:2] for line in lines[1:3]] == [["curate", "to"], ["regenerate", "waits"]]
+    assert lines[1].split()[-1].startswith(f"{tmp_path}/r/curate/")  # where its output will be
+    assert not (tmp_path / "r").exists()  # status writes nothing
+
+
+def test_deploy_with_an_unknown_name_is_one_line():
+    proc = _cli("deploy", "--name", "nightly-typo")
+    _one_line_error(proc, "no deployment 'nightly-typo' in deployments/prefect.yaml")
+
+
+def test_deploy_without_a_server_is_one_line():
+    import os
+
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "deploy"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env=env)
+    _one_line_error(proc, "no Prefect server answers at http://127.0.0.1:9/api")
+
+
+def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
+    """Each entry's parameters fit its entry point's signature; CPU stages on `cpu`, the rest on `gpu`."""
+    import importlib
+    import inspect
+
+    import yaml
+
+    from draftflow.plan import STAGES
+
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    names = [d["name"] for d in spec["deployments"]]
+    assert len(names) == len(set(names)) and set(STAGES) <= set(names)
+    for d in spec["deployments"]:
+        path, func = d["entrypoint"].split(":")
+        flow = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), func)
+        inspect.signature(flow.fn).bind(**d["parameters"])  # raises on a missing or unknown parameter
+        stage = d["parameters"].get("stage")
+        assert stage is None or stage in STAGES, d["name"]
+        assert d["work_pool"]["name"] == ("cpu" if stage in ("curate", "tokenize") else "gpu"), d["name"]
+        if d["work_pool"]["name"] == "gpu":
+            assert d["work_pool"]["job_variables"]["env"]["DRAFTFLOW_GPU_LIMIT"] == "gpu"
+        for schedule in d.get("schedules", []):
+            assert len(schedule["cron"].split()) == 5 and schedule["timezone"] == "UTC"
+    scheduled = {d["name"]: d["parameters"] for d in spec["deployments"] if d.get("schedules")}
+    assert scheduled["nightly"] == {"config_path": "configs/tiny.yaml", "overrides": [], "stage": "regenerate",
+                                         "upstream": "run"}
+    assert "stage" not in scheduled["weekly"]  # the whole pipeline

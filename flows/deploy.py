@@ -1,0 +1,121 @@
+"""Deployments: the work pools and the GPU concurrency limit they rely on, and the GPU slot stages take.
+
+GPU stages (regenerate, extract, train, evaluate) hold `DRAFTFLOW_GPUS` slots (default 1) of the
+Prefect global concurrency limit named by `DRAFTFLOW_GPU_LIMIT` while they run, with `strict=True`,
+so two stages never share a GPU by accident and a missing limit is an error rather than a warning.
+The variable is set by the `gpu` pool's deployments (`deployments/prefect.yaml`); without it (`make
+demo`, tests, a laptop) no slot is taken, so the ephemeral no-server run needs no setup.
+`draftflow deploy` creates the pools and the limit when they are missing (`ensure_infrastructure`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+from draftflow.errors import DraftflowError
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFECT_FILE = ROOT / "deployments" / "prefect.yaml"
+GPU_LIMIT_ENV, GPU_COUNT_ENV = "DRAFTFLOW_GPU_LIMIT", "DRAFTFLOW_GPUS"
+GPU_IMAGE = "draftflow:gpu"  # the gpu pool's image job variable unless DRAFTFLOW_GPU_IMAGE is set
+POOLS = {"cpu": "process", "gpu": "process"}  # name -> type created when missing (kubernetes/docker: by hand)
+
+
+def prefect_command() -> list[str]:
+    """The `prefect` CLI of this interpreter's environment (it need not be on PATH)."""
+    beside = Path(sys.executable).parent / "prefect"
+    return [str(beside)] if beside.exists() else ["prefect"]
+
+
+def gpu_slot(task_or_stage=None):
+    """A context holding this stage's GPU slots, or nothing when `DRAFTFLOW_GPU_LIMIT` is unset.
+
+    `task_or_stage`: a Prefect task (its `gpu` tag decides) or None for a stage known to use the GPU.
+    """
+    name = os.environ.get(GPU_LIMIT_ENV)
+    tags = getattr(task_or_stage, "tags", {"gpu"})
+    if not name or "gpu" not in tags:
+        return nullcontext()
+    return _occupy(name, int(os.environ.get(GPU_COUNT_ENV, "1")))
+
+
+@contextmanager
+def _occupy(name: str, slots: int):
+    from prefect import get_run_logger
+    from prefect.concurrency.sync import concurrency
+
+    with concurrency(name, occupy=slots, strict=True):
+        get_run_logger().info("holding %d slot(s) of the GPU concurrency limit %r", slots, name)
+        yield
+
+
+def ensure_infrastructure(gpu_slots: int, limit: str = "gpu") -> list[str]:
+    """Create the `cpu`/`gpu` work pools and the GPU concurrency limit where missing; say what was made."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    made = []
+    with get_client(sync_client=True) as client:
+        for pool, kind in POOLS.items():
+            try:
+                client.read_work_pool(pool)
+            except ObjectNotFound:
+                client.create_work_pool(WorkPoolCreate(
+                    name=pool, type=kind, base_job_template=ProcessWorker.get_default_base_job_template()))
+                made.append(f"work pool {pool} ({kind})")
+        try:
+            client.read_global_concurrency_limit_by_name(limit)
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=limit, limit=gpu_slots))
+            made.append(f"global concurrency limit {limit} ({gpu_slots} slot{'s' * (gpu_slots != 1)})")
+    return made
+
+
+def check_server() -> str:
+    """The API URL deployments go to; a missing setting or an unreachable server is a one-line error."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise DraftflowError("PREFECT_API_URL is not set: start a server (draftflow server) and "
+                             "export PREFECT_API_URL=http://127.0.0.1:4200/api")
+    import httpx
+
+    try:
+        httpx.get(f"{url.rstrip('/')}/health", timeout=10).raise_for_status()
+    except httpx.HTTPError as exc:
+        raise DraftflowError(f"no Prefect server answers at {url} ({type(exc).__name__}); "
+                             "start one with `draftflow server`") from None
+    return url
+
+
+def _known(names: list[str]) -> list[str]:
+    """Deployment names as prefect.yaml spells them (`draftflow-stage/curate` -> `curate`); unknown: an error."""
+    import yaml
+
+    declared = [d["name"] for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"]]
+    short = [n.split("/")[-1] for n in names]
+    unknown = [n for n, s in zip(names, short) if s not in declared]
+    if unknown:
+        raise DraftflowError(f"no deployment {unknown[0]!r} in {PREFECT_FILE.relative_to(ROOT)}; "
+                             f"choose from {', '.join(declared)}")
+    return short
+
+
+def deploy(names: list[str], gpu_slots: int) -> int:
+    """`prefect deploy` the named deployments (all when none) of deployments/prefect.yaml."""
+    select = [a for n in _known(names) for a in ("--name", n)] or ["--all"]
+    url = check_server()
+    for line in ensure_infrastructure(gpu_slots):
+        print(f"created {line} at {url}")
+    env = dict(os.environ)
+    env.setdefault("DRAFTFLOW_HOME", str(ROOT))  # the pull step's working directory on the worker
+    env.setdefault("DRAFTFLOW_GPU_IMAGE", GPU_IMAGE)
+    cmd = [*prefect_command(), "--no-prompt", "deploy", *select, "--prefect-file", str(PREFECT_FILE)]
+    return subprocess.call(cmd, cwd=ROOT, env=env)

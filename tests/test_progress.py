@@ -1,0 +1,63 @@
+"""draftflow.progress: parts add up, listeners are rate-limited, a failing listener never fails the work."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftflow import progress
+
+
+@pytest.fixture
+def heard():
+    got: list[progress.Progress] = []
+    progress.add_sink("test", got.append, interval=3600.0)  # only first, forced and final reports get through
+    yield got
+    progress.remove_sink("test")
+
+
+def test_parallel_parts_add_up_to_the_stage_and_the_final_report_is_heard(heard):
+    progress.begin("stage-a", total=30)
+    progress.report("stage-a", 5, 10, part="s0")
+    progress.report("stage-a", 10, 20, part="s1")
+    progress.report("stage-a", 10, 10, part="s0")  # absolute counts: a repeat replaces, never adds
+    assert progress.snapshot("stage-a").done == 20 and progress.snapshot("stage-a").total == 30
+    assert [p.done for p in heard] == [0]  # rate-limited: only the first report so far
+    progress.report("stage-a", 20, 20, part="s1")
+    assert [p.done for p in heard] == [0, 30] and heard[-1].finished and heard[-1].eta == 0.0
+    progress.report("stage-a", 20, 20, part="s1")
+    assert len(heard) == 2  # the end is heard once
+
+
+def test_skipped_parts_count_as_done_but_not_as_speed(heard):
+    progress.begin("stage-b", total=100)
+    progress.report("stage-b", 90, 90, part="cached", skipped=True)
+    snap = progress.snapshot("stage-b")
+    assert snap.done == 90 and snap.rate is None and snap.eta is None
+    progress.report("stage-b", 5, 10, part="live")
+    assert progress.snapshot("stage-b").rate is not None
+
+
+def test_a_new_run_of_a_finished_stage_is_a_new_session(heard):
+    progress.report("stage-c", 4, 4, unit="steps")
+    first = progress.snapshot("stage-c").session
+    progress.report("stage-c", 1, 4, unit="steps")
+    again = progress.snapshot("stage-c")
+    assert again.session != first and again.done == 1 and again.unit == "steps"
+    assert [(p.session, p.done) for p in heard] == [(first, 4), (again.session, 1)]
+
+
+def test_a_failing_listener_is_switched_off_and_the_work_goes_on(caplog):
+    def broken(p):
+        raise ConnectionError("api down")
+
+    progress.add_sink("broken", broken, interval=0.0)
+    progress.report("stage-d", 1, 2)
+    progress.report("stage-d", 2, 2)  # no exception reaches the caller
+    assert "progress listener broken failed" in caplog.text and caplog.text.count("api down") == 1
+
+
+def test_line_reads_like_a_progress_bar():
+    p = progress.Progress("regenerate", 120, 444, "rows", elapsed=4.0, rate=30.0, session=1)
+    assert p.line() == "regenerate 120/444 rows (27%), 30 rows/s, ETA 11 s"
+    done = progress.Progress("train", 24, 24, "steps", elapsed=125.0, rate=0.19, session=2)
+    assert done.line() == "train 24/24 steps (100%), 0.19 steps/s, 2.1 min"

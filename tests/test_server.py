@@ -1,0 +1,287 @@
+"""Against a real Prefect server: the CLI's runs, their artifacts, deployments and a process worker.
+
+One `prefect server start` (SQLite, its own PREFECT_HOME) serves the module. Runs are `draftflow`
+subprocesses with PREFECT_API_URL pointing at it (the rest of the session keeps its test harness);
+everything is asserted through the Prefect client. State reports reach the server through its event
+stream, so reads poll until they settle instead of asserting at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import ROOT, tiny_config
+
+STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+NAME = "server-test"
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """(api url, env for client subprocesses, tmp folder) of a fresh server on a free port."""
+    tmp = tmp_path_factory.mktemp("prefect-server")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false")
+    log = open(tmp / "server.log", "w")
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_healthy(url, proc, tmp / "server.log")
+        client_env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home"),
+                      "DRAFTFLOW_HOME": str(ROOT)}
+        yield url, client_env, tmp
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and the uvicorn process it started
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def _client(url: str):
+    """A sync Prefect client for the test server (the session's harness settings stay untouched)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class _Ctx:
+        def __enter__(self):
+            self.settings = temporary_settings({PREFECT_API_URL: url})
+            self.settings.__enter__()
+            self.client = get_client(sync_client=True)
+            return self.client.__enter__()
+
+        def __exit__(self, *exc):
+            self.client.__exit__(*exc)
+            self.settings.__exit__(*exc)
+
+    return _Ctx()
+
+
+def _eventually(check, timeout: float = 60.0, every: float = 1.0):
+    """`check()`'s first truthy value, retried while the server catches up with the run's events."""
+    end = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > end:
+            return value
+        time.sleep(every)
+
+
+def _cli(env: dict, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def config_file(server):
+    """The trimmed tiny config as a YAML file subprocesses and workers can load."""
+    _, _, tmp = server
+    cfg = tiny_config(tmp / "run", f"name={NAME}")
+    path = tmp / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def first_run(server, config_file):
+    url, env, tmp = server
+    proc = _cli(env, "run", str(config_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def _runs_by_flow(client) -> dict[str, list]:
+    flows = {f.id: f.name for f in client.read_flows()}
+    out: dict[str, list] = {}
+    for run in client.read_flow_runs():
+        out.setdefault(flows[run.flow_id], []).append(run)
+    return out
+
+
+def _artifacts(client) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for a in client.read_artifacts():
+        out.setdefault(a.key, []).append(a)
+    return out
+
+
+def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, first_run):
+    url, _, tmp = server
+    assert "mean acceptance length tau" in first_run.stdout
+    progress_lines = [line for line in first_run.stderr.splitlines() if line.startswith("progress: ")]
+    assert any(line.startswith("progress: regenerate 43/43 rows (100%)") and "rows/s" in line
+               for line in progress_lines), progress_lines
+    assert any(line.startswith("progress: train 24/24 steps") for line in progress_lines), progress_lines
+
+    with _client(url) as client:
+        def settled():
+            runs = _runs_by_flow(client)
+            names = ["draftflow-pipeline", *STAGES]
+            ok = all(len(runs.get(n, [])) == 1 and runs[n][0].state.name == "Completed" for n in names)
+            return runs if ok else None
+
+        runs = _eventually(settled)
+        assert runs, {k: [r.state.name for r in v] for k, v in _runs_by_flow(client).items()}
+        pipeline_run = runs["draftflow-pipeline"][0]
+        for stage in STAGES:  # stage flows are subflows of the pipeline run
+            assert runs[stage][0].parent_task_run_id is not None
+            assert client.read_task_run(runs[stage][0].parent_task_run_id).flow_run_id == pipeline_run.id
+
+        arts = _artifacts(client)
+        for stage in STAGES:
+            (counts,) = arts[f"{NAME}-{stage}-counts"]
+            assert counts.type == "table" and counts.flow_run_id == runs[stage][0].id
+        (regen,) = arts[f"{NAME}-regenerate-progress"]
+        assert regen.type == "progress" and float(regen.data) == 100.0
+        assert regen.description.startswith("regenerate 43/43 rows") and "rows/s" in regen.description
+        assert float(arts[f"{NAME}-train-progress"][0].data) == 100.0
+        (rate,) = arts[f"{NAME}-regenerate-throughput"]
+        assert '"rows": 43' in rate.data and '"rows/s"' in rate.data
+        (result,) = arts[f"{NAME}-result"]
+        assert "τ =" in result.data and "P(at least k drafts accepted)" in result.data  # the evaluate report
+        assert result.data.count("data:image/png;base64,") == 3  # prompt lengths, loss, accuracy
+        for what in ("checkpoint", "report"):
+            (link,) = arts[f"{NAME}-{what}"]
+            target = link.data[link.data.index("(file://") + 8:-1]
+            assert Path(target).exists() and target.startswith(str(tmp / "run")), link.data
+
+
+def test_status_of_the_run_folder_lists_complete_stages_with_counts_and_paths(server, first_run):
+    _, env, tmp = server
+    proc = _cli(env, "status", str(tmp / "run"))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith(f"run {NAME}") and "6/6 stages complete" in lines[0]
+    for stage, line in zip(STAGES, lines[1:]):
+        fields = line.split()
+        assert fields[:2] == [stage, "complete"], line
+        assert Path(fields[-1]).parent == tmp / "run" / stage and (Path(fields[-1]) / "manifest.json").is_file()
+    assert "dropped duplicate=1, malformed_json=1, no_user_turn=1" in lines[1]
+
+
+def test_rerun_after_losing_a_manifest_takes_shards_from_the_cache(server, first_run, config_file):
+    url, env, tmp = server
+    for manifest in (tmp / "run" / "regenerate").glob("*/manifest.json"):
+        manifest.unlink()
+    proc = _cli(env, "run", str(config_file))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    statuses = [line.split()[1] for line in proc.stdout.splitlines()[:6]]
+    assert statuses == ["reused", "ran", "reused", "reused", "reused", "reused"], proc.stdout
+
+    with _client(url) as client:
+        def cached_shards():
+            runs = sorted(_runs_by_flow(client).get("regenerate", []), key=lambda r: r.created)
+            if len(runs) < 2 or runs[-1].state.name != "Completed":
+                return None
+            tasks = [t for t in _task_runs_of(client, runs[-1].id) if t.name.startswith("regenerate-shard")]
+            return tasks if len(tasks) == 3 and all(t.state.name == "Cached" for t in tasks) else None
+
+        tasks = _eventually(cached_shards)
+        assert tasks, "the second run's regenerate shards did not come back Cached"
+
+
+def _logs_of(client, flow_run_id) -> list:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+
+
+def _task_runs_of(client, flow_run_id) -> list:
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    return client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
+
+
+def _run_deployments(url: str, env: dict, pool: str, runs: list[tuple[str, dict, dict]]) -> list:
+    """Create runs of the given (deployment, parameters, options) and let one process worker of `pool`
+    take them all (concurrently); their final flow runs."""
+    with _client(url) as client:
+        ids = [client.create_flow_run_from_deployment(client.read_deployment_by_name(name).id, parameters=params,
+                                                      **options).id for name, params, options in runs]
+    worker = subprocess.run([PREFECT, "worker", "start", "--pool", pool, "--type", "process", "--run-once"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert worker.returncode == 0, worker.stdout[-3000:] + worker.stderr[-3000:]
+    with _client(url) as client:
+        final = _eventually(lambda: all(client.read_flow_run(i).state.is_final() for i in ids))
+        assert final, [client.read_flow_run(i).state.name for i in ids]
+        return [client.read_flow_run(i) for i in ids]
+
+
+def test_deployments_from_the_yaml_run_on_process_workers_under_the_gpu_limit(server, config_file):
+    url, env, tmp = server
+    # One `prefect deploy` costs ~12 s here (it imports the flows): deploy a selection that covers each
+    # kind (CPU stage, GPU stage, scheduled); test_cli checks every entry of the yaml against its flow.
+    chosen = ["draftflow-stage/curate", "tokenize", "regenerate", "nightly", "weekly"]
+    proc = _cli(env, "deploy", *[a for n in chosen for a in ("--name", n)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "created work pool cpu" in proc.stdout and "created global concurrency limit gpu" in proc.stdout
+    with _client(url) as client:
+        deployments = {d.name: d for d in client.read_deployments()}
+        assert set(deployments) == {"curate", "tokenize", "regenerate", "nightly", "weekly"}  # only those named
+        assert {n: d.work_pool_name for n, d in deployments.items()} == {
+            "curate": "cpu", "tokenize": "cpu", "regenerate": "gpu", "nightly": "gpu", "weekly": "gpu"}
+        assert [s.schedule.cron for s in deployments["nightly"].schedules] == ["0 2 * * *"]
+        assert [s.schedule.cron for s in deployments["weekly"].schedules] == ["0 3 * * 0"]
+        assert deployments["nightly"].parameters["upstream"] == "run"
+        assert deployments["regenerate"].job_variables["env"]["DRAFTFLOW_GPU_LIMIT"] == "gpu"
+        assert {p.name for p in client.read_work_pools()} >= {"cpu", "gpu"}
+        assert client.read_global_concurrency_limit_by_name("gpu").limit == 1
+
+    root = tmp / "deployed"
+    params = {"config_path": str(config_file), "overrides": [f"root={root}"]}
+    empty = {**params, "overrides": [f"root={tmp / 'empty'}"]}
+    curate, tok = _run_deployments(url, env, "cpu", [("draftflow-stage/curate", params, {}),
+                                                             ("draftflow-stage/tokenize", empty, {})])
+    assert curate.state.name == "Completed", curate.state.message
+    assert list(root.glob("curate/*/manifest.json"))
+    # A stage whose upstream is not complete fails with one line naming what to run first.
+    assert tok.state.name == "Failed" and "needs curate complete" in tok.state.message
+    # A GPU stage holds a slot of the strict `gpu` limit: it runs with the limit, fails without one.
+    no_limit = {"job_variables": {"env": {"DRAFTFLOW_GPU_LIMIT": "no-such-limit"}}}
+    regen, missing = _run_deployments(url, env, "gpu", [("draftflow-stage/regenerate", params, {}),
+                                                                 ("draftflow-stage/regenerate", params, no_limit)])
+    assert regen.state.name == "Completed", regen.state.message
+    assert list(root.glob("regenerate/*/manifest.json"))
+    assert missing.state.name == "Failed" and "no-such-limit" in missing.state.message
+    with _client(url) as client:  # the slot is taken in the regenerate subflow of that run
+        subflow = _eventually(lambda: [r for r in client.read_flow_runs() if r.parent_task_run_id is not None and
+                                       client.read_task_run(r.parent_task_run_id).flow_run_id == regen.id])
+        assert subflow
+        logs = _eventually(lambda: [g.message for g in _logs_of(client, subflow[0].id)
+                                    if "slot(s) of the GPU" in g.message])
+        assert logs == ["holding 1 slot(s) of the GPU concurrency limit 'gpu'"]
