@@ -23,7 +23,6 @@ batch on CUDA out-of-memory. This module knows nothing of stores or shards.
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import math
@@ -171,12 +170,29 @@ class VLLMCapture:
         return hidden[:length].contiguous()
 
     def close(self) -> None:
+        """Shut vLLM down (its GPU memory is freed) and remove the exchange folder."""
+        from draftflow.engines.vllm import shutdown_llm
+
+        llm, self.llm = self.llm, None
+        shutdown_llm(llm)
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-@functools.lru_cache(maxsize=1)
+_VLLM_CAPTURE: dict[tuple, VLLMCapture] = {}  # one engine per process (it holds most of the GPU)
+
+
 def _vllm_capture(path: str, layer_ids: tuple[int, ...], tp: int, mem: float, max_len: int | None) -> VLLMCapture:
-    return VLLMCapture(path, list(layer_ids), tp, mem, max_len)
+    key = (path, layer_ids, tp, mem, max_len)
+    if key not in _VLLM_CAPTURE:
+        release_capture_engines()
+        _VLLM_CAPTURE[key] = VLLMCapture(path, list(layer_ids), tp, mem, max_len)
+    return _VLLM_CAPTURE[key]
+
+
+def release_capture_engines() -> None:
+    """Close the cached vLLM capture engine, so that training in child processes gets the GPU."""
+    while _VLLM_CAPTURE:
+        _VLLM_CAPTURE.popitem()[1].close()
 
 
 def make_capture_engine(engine: str, target_path: str, layer_ids: list[int], dtype: str = "auto",

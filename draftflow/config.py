@@ -140,7 +140,6 @@ class TokenizeConfig(Section):
         "auto", description="which assistant turns a row supervises; see README 'Loss masks'")
     min_supervised_tokens: int | None = Field(
         None, ge=1, description="drop rows with fewer supervised tokens; null = 2 x drafter.block_size")
-    draft_vocab_size: int = Field(32000, ge=1, description="EAGLE-3 draft vocabulary (top-N supervised tokens)")
     num_workers: int | None = Field(
         None, ge=1, description="worker processes per shard; null = one per core for big shards")
 
@@ -176,6 +175,8 @@ class DrafterConfig(Section):
         None, description="per layer full_attention | sliding_attention; null = all full"
     )
     sliding_window: int | None = Field(None, ge=1, description="window of sliding_attention layers")
+    draft_vocab_size: int = Field(32000, ge=1, description="EAGLE-3: draft vocabulary, the N most frequent "
+                                  "supervised tokens (counted by tokenize, chosen by train)")
     ttt_steps: int = Field(7, ge=1, description="EAGLE-3: training-time-test unroll steps = drafts per round")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3: loss weight of unroll step i is decay^i")
 

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from draftflow.compat import config_dtype
 from draftflow.errors import StoreError
 from draftflow.models.dflash import (
     CONFIG_NAME,
@@ -144,7 +145,7 @@ def qwen3_dims(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
 
 
 def _dtype_name(target_config: Any) -> str:
-    dtype = getattr(target_config, "torch_dtype", None) or "bfloat16"
+    dtype = config_dtype(target_config) or "bfloat16"
     return str(dtype).removeprefix("torch.")
 
 

@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -148,13 +149,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _failure(rc: int, folder: Path, log_path: Path, tail: list[str], tcfg: TrainConfig) -> Exception:
-    """The one-line error for a failed launch, from the first failing rank's error file."""
-    errors = sorted(folder.glob("error-rank*.json"), key=lambda p: int(p.stem.removeprefix("error-rank")))
+    """The one-line error for a failed launch, from the rank that failed first.
+
+    A user error on any rank wins: when one rank raises, its peers fail inside their next
+    collective ("connection closed by peer") and write error files of their own, which
+    must not turn a bad input into a retried crash. Otherwise the earliest error counts.
+    """
+    errors = sorted((json.loads(p.read_text()) for p in folder.glob("error-rank*.json")),
+                    key=lambda e: (not e["user_error"], e["time"]))
     if rc == -1:
         return TrainingCrashed(f"training exceeded train.timeout_s={tcfg.timeout_s:g} s and was killed; "
                                f"it resumes from its last checkpoint on a retry; log: {log_path}")
     if errors:
-        err = json.loads(errors[0].read_text())
+        err = errors[0]
         what = f"rank {err['rank']}: {err['type']}: {err['message']}"
         kind = DraftflowError if err["user_error"] else TrainingCrashed
     else:
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(exc).split()) or repr(exc)
         _write_json_atomic(spec_path.parent / f"error-rank{rank}.json",
                            {"rank": rank, "type": type(exc).__name__, "message": message,
-                            "user_error": isinstance(exc, DraftflowError)})
+                            "user_error": isinstance(exc, DraftflowError), "time": time.time()})
         return 1
     finally:
         import torch.distributed as dist
@@ -208,7 +215,8 @@ def _run_rank(spec: dict[str, Any], folder: Path, rank: int) -> None:
     from draftflow.target import TargetRef
 
     cfg = _bind_device(RunConfig.model_validate(spec["config"]))
-    trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), spec["features"], spec["out_dir"])
+    trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), spec["features"], spec["out_dir"],
+                         spec.get("mirror"))
     if rank == 0:
         (folder / "target").mkdir(exist_ok=True)
         trained.target_config.to_json_file(str(folder / "target" / "config.json"))

@@ -26,8 +26,8 @@ from draftflow.config import RunConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages.common import data_shards, fingerprint, manifest_digest
 from draftflow.stages.curate import check_sources, source_keys
+from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
-from draftflow.stages.train import check_online
 from draftflow.store import Store, digest
 from draftflow.target import TargetRef, resolve_target
 

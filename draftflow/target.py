@@ -23,6 +23,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
 from draftflow.store import default_cache_dir
@@ -107,7 +108,7 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
     if not (out / ".complete").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=out.parent))
-        with _LOAD_LOCK:  # model construction must not overlap a from_pretrained elsewhere
+        with _LOAD_LOCK, quiet_progress():  # construction must not overlap a from_pretrained elsewhere
             _write_tiny_target(cfg, tmp)
         (tmp / ".complete").write_text(folder_fingerprint(tmp))
         if out.exists():  # an incomplete earlier attempt
@@ -186,7 +187,7 @@ def _write_tiny_target(cfg: TinyTargetConfig, out: Path) -> None:
         bos_token_id=None,
         eos_token_id=eos,
         pad_token_id=pad,
-        torch_dtype="float32",
+        dtype="float32",  # transformers 4.56 renamed torch_dtype
     )
     torch.manual_seed(cfg.seed)
     model = Qwen3ForCausalLM(config).eval()
@@ -195,7 +196,7 @@ def _write_tiny_target(cfg: TinyTargetConfig, out: Path) -> None:
         # logit, below the random logits of real tokens: greedy never emits them.
         model.lm_head.weight[len(tokenizer):] = 0.0
     model.generation_config = GenerationConfig(eos_token_id=[eos], pad_token_id=pad, do_sample=False)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out)  # safetensors: the default in 4.x, the only format in 5.x
     tokenizer.save_pretrained(out)
 
 
@@ -214,6 +215,19 @@ def load_target(path: str, dtype: str = "auto", device: str = "auto"):
     """
     with _LOAD_LOCK:
         return _load_target(path, dtype, resolve_device(device))
+
+
+def release_targets() -> None:
+    """Forget the targets this process loaded and return their GPU memory (they reload on demand)."""
+    import gc
+
+    import torch
+
+    with _LOAD_LOCK:
+        _load_target.cache_clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @functools.lru_cache(maxsize=2)

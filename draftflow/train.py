@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,7 @@ class _Run:
     device: torch.device
     env: DistEnv
     lengths: list[int] | None
+    on_checkpoint: Callable[[Path], None] | None = None  # rank 0, after each checkpoint is complete
 
 
 def _train_step(run: _Run, seqs: list[tuple[int, FeatureSample]], step: int) -> dict[str, Any]:
@@ -358,6 +360,7 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 def train_drafter(
     samples: list[FeatureSample], target_model, dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig, out_dir: str,
     resume: bool = True, draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
+    on_checkpoint: Callable[[Path], None] | None = None,
 ) -> dict:
     """Train a DFlash or EAGLE-3 drafter (by `dcfg`'s type) on feature samples; checkpoint and resume in `out_dir`.
 
@@ -373,6 +376,8 @@ def train_drafter(
             and `metrics.json`.
         resume: continue from the newest checkpoint in `out_dir` when there is one.
         draft_vocab: EAGLE-3 only: (d2t, t2d) from the tokenize stage.
+        on_checkpoint: called on rank 0 with each complete checkpoint folder (e.g. to copy it
+            to the run root, so a run on another machine resumes from it).
 
     Returns:
         Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1
@@ -394,7 +399,8 @@ def train_drafter(
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
     objective = make_objective(dcfg, tcfg)
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
-    run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples))
+    run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
+               on_checkpoint)
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
@@ -433,7 +439,9 @@ def _run_steps(run: _Run, state: dict) -> None:
             logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
         due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
         if due:  # every rank: FSDP gathers the shards; rank 0 writes
-            save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
+            folder = save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
+            if folder is not None and run.on_checkpoint is not None:
+                run.on_checkpoint(folder)
 
 
 def _fmt(loss: float | None) -> str:

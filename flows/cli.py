@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -187,16 +188,18 @@ class _RichBars:
                              console=console or Console(stderr=True), transient=False)
         self.tasks: dict[tuple[str, int], int] = {}
         self.started = False
+        self._lock = threading.Lock()  # shard threads report at once; one bar per stage
 
     def update(self, p) -> None:
         from draftflow.progress import duration
 
-        if not self.started:
-            self.bars.start()
-            self.started = True
-        key = (p.stage, p.session)
-        if key not in self.tasks:
-            self.tasks[key] = self.bars.add_task(p.stage, total=p.total or None, unit=p.unit, speed="")
+        with self._lock:
+            if not self.started:
+                self.bars.start()
+                self.started = True
+            key = (p.stage, p.session)
+            if key not in self.tasks:
+                self.tasks[key] = self.bars.add_task(p.stage, total=p.total or None, unit=p.unit, speed="")
         speed = "" if p.rate is None else f"{p.rate:.3g} {p.unit}/s"
         if p.eta is not None and not p.finished:
             speed += f"  ETA {duration(p.eta)}"

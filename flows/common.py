@@ -21,7 +21,7 @@ from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.store import Store
-from flows.deploy import gpu_slot
+from flows.deploy import gpu_slot, stage_gpus
 
 
 def artifact_key(*parts: str) -> str:
@@ -76,7 +76,7 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
 
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
-    with gpu_slot(task_fn):
+    with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
         futures = task_fn.map(shard=shards, **fixed)
         by_rows = all("rows" in s for s in shards)  # curate's source parts have no row count
         track(kwargs["cfg"].name, stage, sum(s["rows"] for s in shards) if by_rows else len(shards),
@@ -84,17 +84,27 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
         for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
             _shard_done(stage, shards[futures.index(f)], f, by_rows)
         results = [f.result() for f in futures]
+        # Recomputed on the same runner (Ray too) and still holding the GPU slot.
+        redo = _damaged(store, stage, kwargs["fp"], futures, results, verify)
+        again = [task_fn.with_options(refresh_cache=True).submit(shard=shards[i], **kwargs) for i in redo]
+        for i, f in zip(redo, again):
+            results[i] = f.result()
     progress.finish(stage)
-    stage_dir = store.stage_path(stage, kwargs["fp"])
+    return results
+
+
+def _damaged(store: Store, stage: str, fp: str, futures, results: list[dict],
+             verify: Callable[[list[dict]], set[str]] | None) -> list[int]:
+    """Positions of results taken from the cache whose shard is missing or fails `verify`."""
+    stage_dir = store.stage_path(stage, fp)
     cached = [r["shard"] for f, r in zip(futures, results) if f.state.name == "Cached" and r["shard"]]
     bad = {e["name"] for e in cached if not store.exists(f"{stage_dir}/{e['name']}")}
     if verify is not None:
         bad |= set(verify([e for e in cached if e["name"] not in bad]))
-    for i, r in enumerate(results):
-        if r["shard"] and r["shard"]["name"] in bad:
-            get_run_logger().warning("cached shard %s is missing or damaged; recomputing", r["shard"]["name"])
-            results[i] = task_fn.with_options(refresh_cache=True)(shard=shards[i], **kwargs)
-    return results
+    redo = [i for i, r in enumerate(results) if r["shard"] and r["shard"]["name"] in bad]
+    for i in redo:
+        get_run_logger().warning("cached shard %s is missing or damaged; recomputing", results[i]["shard"]["name"])
+    return redo
 
 
 def _shard_done(stage: str, shard: dict, future, by_rows: bool) -> None:

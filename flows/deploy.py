@@ -31,16 +31,28 @@ def prefect_command() -> list[str]:
     return [str(beside)] if beside.exists() else ["prefect"]
 
 
-def gpu_slot(task_or_stage=None):
+def gpu_slot(task_or_stage=None, gpus: int = 1):
     """A context holding this stage's GPU slots, or nothing when `DRAFTFLOW_GPU_LIMIT` is unset.
 
     `task_or_stage`: a Prefect task (its `gpu` tag decides) or None for a stage known to use the GPU.
+    `gpus`: how many GPUs the stage itself uses (torchrun processes, a vLLM tensor-parallel group);
+    it takes the larger of that and `DRAFTFLOW_GPUS`, so an 8-GPU training run holds 8 slots.
     """
     name = os.environ.get(GPU_LIMIT_ENV)
     tags = getattr(task_or_stage, "tags", {"gpu"})
     if not name or "gpu" not in tags:
         return nullcontext()
-    return _occupy(name, int(os.environ.get(GPU_COUNT_ENV, "1")))
+    return _occupy(name, max(gpus, int(os.environ.get(GPU_COUNT_ENV, "1"))))
+
+
+def stage_gpus(cfg, stage: str) -> int:
+    """GPUs one unit of `stage` occupies on its worker, from the config."""
+    if stage == "train":
+        return cfg.train.nproc_per_node
+    if (stage == "regenerate" and cfg.regenerate.engine == "vllm") or \
+            (stage == "extract" and cfg.extract.engine == "vllm"):
+        return cfg.regenerate.vllm.tensor_parallel_size
+    return 1
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from draftflow.config import RunConfig
 from draftflow.runinfo import record_run
 from flows.common import artifact_key, plots_markdown, publish_links
-from flows.deploy import gpu_slot
+from flows.deploy import gpu_slot, stage_gpus
 from flows.progress import install as report_progress
 from flows.stages import curate_flow, evaluate_flow, extract_flow, regenerate_flow, tokenize_flow, train_flow
 from tasks.stage_tasks import prepare_target
@@ -28,9 +28,9 @@ def pipeline(cfg: RunConfig) -> dict:
     regenerated = regenerate_flow(cfg, target, curated)  # GPU stages take their GPU slot inside
     tokenized = tokenize_flow(cfg, target, regenerated)
     features = extract_flow(cfg, target, tokenized)
-    with gpu_slot():
+    with gpu_slot(gpus=stage_gpus(cfg, "train")):
         trained = train_flow(cfg, target, features)
-    with gpu_slot():
+    with gpu_slot(gpus=stage_gpus(cfg, "evaluate")):
         evaluated = evaluate_flow(cfg, target, curated, trained)
     stages = [curated, regenerated, tokenized, features, trained, evaluated]
     summary = summarize(cfg, stages)
@@ -98,7 +98,7 @@ def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, 
     from draftflow.plan import UPSTREAM
 
     upstream = [results[u] for u in UPSTREAM[stage]]
-    with gpu_slot() if stage in ("train", "evaluate") else nullcontext():
+    with gpu_slot(gpus=stage_gpus(cfg, stage)) if stage in ("train", "evaluate") else nullcontext():
         return STAGE_FLOWS[stage](cfg) if stage == "curate" else STAGE_FLOWS[stage](cfg, target, *upstream)
 
 

@@ -18,10 +18,9 @@ from draftflow.plan import check_space
 from draftflow.stages.common import data_shards, finalize
 from draftflow.stages.curate import plan_parts
 from draftflow.stages.curate import stage_inputs as curate_inputs
-from draftflow.stages.extract import bad_shards
+from draftflow.stages.extract import bad_shards, online_manifest
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.tokenize import write_vocab_files
-from draftflow.stages.train import online_manifest
 from draftflow.store import MANIFEST
 from draftflow.target import TargetRef
 from flows.common import map_shards, publish_table, reuse, run_stage

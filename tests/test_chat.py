@@ -51,9 +51,7 @@ def llama_tok(qwen_tok):
     Only the template's text logic is under test, so Qwen's BPE is fine for the rest.
     """
     tok = copy.deepcopy(qwen_tok)
-    tok.add_special_tokens(
-        {"additional_special_tokens": LLAMA_SPECIALS}, replace_additional_special_tokens=False
-    )
+    tok.add_tokens(LLAMA_SPECIALS, special_tokens=True)  # add_special_tokens' keys differ in transformers 4 and 5
     return tok
 
 

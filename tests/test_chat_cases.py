@@ -115,7 +115,9 @@ def marker_tokenizer():
     markers = {m for p in TEMPLATES.glob("*.jinja") for m in MARKER.findall(p.read_text())}
     markers |= {v for kw in SPECIAL_KWARGS.values() for v in kw.values()}
     new = sorted(m for m in markers if m not in tok.get_vocab())
-    tok.add_special_tokens({"additional_special_tokens": new}, replace_additional_special_tokens=False)
+    # Atomic and special (skipped when decoding); unlike add_special_tokens, one spelling for
+    # transformers 4 and 5 (5 renamed additional_special_tokens to extra_special_tokens).
+    tok.add_tokens(new, special_tokens=True)
     return tok
 
 

@@ -73,3 +73,12 @@ def test_library_imports_no_module_by_computed_name():
     pattern = re.compile(r"import_module\(|__import__\(|importlib\.util\.spec_from")
     offenders = [str(p) for p in codehash.ROOT.rglob("*.py") if pattern.search(p.read_text())]
     assert offenders == []
+
+
+def test_library_versions_enter_the_stages_they_shape():
+    from draftflow.codehash import library_versions
+
+    assert library_versions("curate") == {}
+    tok = library_versions("tokenize")
+    assert set(tok) == {"transformers", "tokenizers"} and all("+" not in v for v in tok.values())
+    assert "+" not in library_versions("extract")["torch"]  # 2.13.0+cpu and 2.13.0+cu130 agree

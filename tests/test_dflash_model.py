@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError, StoreError
 from draftflow.models.dflash import (
@@ -189,7 +190,7 @@ def test_probe_catches_each_known_mask_bug(drafter, bug, flag, value):
 
 def test_rope_matches_transformers(target):
     pos = torch.tensor([[0, 3, 17, 250]])
-    cos, sin = rope_cos_sin(pos, 16, target.config.rope_theta, torch.float32)
+    cos, sin = rope_cos_sin(pos, 16, rope_theta(target.config), torch.float32)
     hf_cos, hf_sin = Qwen3RotaryEmbedding(target.config)(torch.zeros(1, 4, 64), pos)
     torch.testing.assert_close(cos[:, 0], hf_cos)
     torch.testing.assert_close(sin[:, 0], hf_sin)

@@ -103,6 +103,9 @@ def test_sampling_defaults_come_from_generation_config(tmp_path, tiny_target):
     p = sampling_params(RegenerateConfig(temperature=0.0), str(folder))
     assert p.temperature == 0.0
     assert sampling_params(RegenerateConfig(), tiny_target.path).temperature == 0.0  # greedy target
+    gen.pop("temperature")  # sampling without a temperature: 1.0 (transformers 5 leaves the field None)
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    assert sampling_params(RegenerateConfig(), str(folder)).temperature == 1.0
 
 
 def test_prompt_longer_than_the_context_is_rejected(tiny_target):

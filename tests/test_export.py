@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import StoreError
 from draftflow.export import (
@@ -62,7 +63,7 @@ def test_vllm_config_has_what_vllm_reads(tmp_path, checkpoint, target):
     assert dims == dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, intermediate_size=128, vocab_size=320)
     assert cfg["max_position_embeddings"] == target.config.max_position_embeddings
-    assert cfg["rope_theta"] == target.config.rope_theta and cfg["rms_norm_eps"] == target.config.rms_norm_eps
+    assert cfg["rope_theta"] == rope_theta(target.config) and cfg["rms_norm_eps"] == target.config.rms_norm_eps
 
 
 def test_vllm_weights_names_and_no_shared_modules(tmp_path, checkpoint, target):

@@ -17,6 +17,11 @@ def test_extract_depends_on_the_taps_not_the_drafter_depth(tmp_path):
     assert fingerprint("extract", base, {}) == fingerprint("extract", tiny_config(tmp_path, "drafter.num_layers=3"), {})
     taps = tiny_config(tmp_path, "drafter.target_layer_ids=[1,2,3]")
     assert fingerprint("extract", base, {}) != fingerprint("extract", taps, {})
+    vocab = tiny_config(tmp_path, "drafter.kind=eagle3", "drafter.draft_vocab_size=100")
+    eagle = tiny_config(tmp_path, "drafter.kind=eagle3")
+    for stage in ("tokenize", "extract"):  # the draft vocabulary is chosen by train, from tokenize's counts
+        assert fingerprint(stage, eagle, {}) == fingerprint(stage, vocab, {})
+    assert fingerprint("train", eagle, {}) != fingerprint("train", vocab, {})
     thinking = tiny_config(tmp_path, "regenerate.enable_thinking=true")
     assert fingerprint("evaluate", base, {}) != fingerprint("evaluate", thinking, {})
 

@@ -102,3 +102,25 @@ def test_launcher_choice():
     assert not use_torchrun(TrainConfig(device="cuda", launcher="inprocess"))
     with pytest.raises(ConfigError, match="train.launcher=inprocess"):
         use_torchrun(TrainConfig(nproc_per_node=2, launcher="inprocess"))
+
+
+def test_the_failing_rank_is_the_one_reported_not_its_peers(tmp_path):
+    """A user error on rank 1 makes rank 0 fail in its next collective; the user error is what counts."""
+    import json
+
+    from draftflow.config import TrainConfig
+    from draftflow.launch import _failure
+
+    def errors(*rows):
+        for f in tmp_path.glob("error-rank*.json"):
+            f.unlink()
+        for rank, user, t, msg in rows:
+            (tmp_path / f"error-rank{rank}.json").write_text(json.dumps(
+                {"rank": rank, "type": "ConfigError" if user else "RuntimeError", "message": msg,
+                 "user_error": user, "time": t}))
+        return _failure(1, tmp_path, tmp_path / "torchrun.log", [], TrainConfig())
+
+    exc = errors((0, False, 2.0, "Connection closed by peer"), (1, True, 1.0, "rank 1 had no sequence"))
+    assert isinstance(exc, DraftflowError) and "rank 1: ConfigError: rank 1 had no sequence" in str(exc)
+    exc = errors((0, False, 5.0, "Connection closed by peer"), (1, False, 3.0, "CUDA out of memory"))
+    assert isinstance(exc, TrainingCrashed) and "rank 1: RuntimeError: CUDA out of memory" in str(exc)

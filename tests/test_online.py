@@ -28,7 +28,7 @@ def _online(cfg, store, tok_shard, tiny_target, *overrides):
     tokenized = {"manifest": {"shards": [tok_shard]}, "fingerprint": "tokfp"}
     inputs = {"target": tiny_target.fingerprint, "tokenize": "d"}
     xfp = fingerprint("extract", cfg, inputs)
-    return cfg, train_stage.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
+    return cfg, extract.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
 
 
 def test_online_extract_stores_nothing_and_points_at_the_tokenize_rows(front, tiny_target):
@@ -77,5 +77,5 @@ def test_online_mode_needs_the_hf_engine_on_the_training_device(tmp_path, tiny_t
     with pytest.raises(ConfigError, match="extract.engine=hf"):
         preflight(tiny_config(tmp_path / "r", "extract.mode=online", "extract.engine=vllm"))
     with pytest.raises(ConfigError, match="target on the training device"):
-        train_stage.check_online(tiny_config(tmp_path / "r", "extract.mode=online", "target.device=cpu",
+        extract.check_online(tiny_config(tmp_path / "r", "extract.mode=online", "target.device=cpu",
                                              "train.device=cuda:1"))

@@ -105,6 +105,10 @@ def test_every_stage_writes_its_shards_and_manifest_to_the_bucket(s3_runs, s3_cr
     assert summary["checkpoint"].startswith(f"{ROOT}/train/")
     assert s3_creds.exists(f"{summary['checkpoint']}/model.safetensors")
     assert s3_creds.exists(f"{ROOT}/run.json")
+    # Training copied its checkpoints to the bucket while it ran (a retry elsewhere resumes from
+    # them) and removed those copies once the stage was complete.
+    train_dir = summary["checkpoint"].rsplit("/", 1)[0]
+    assert not s3_creds.exists(f"{train_dir}/work")
 
 
 def test_prefect_task_results_live_under_the_run_root(s3_runs, s3_creds):

@@ -23,3 +23,15 @@ def test_padding_rows_never_win_greedy(tiny_target):
     ids = torch.tensor([tok.encode("What is the capital of France?")])
     logits = model(ids).logits[0]
     assert int(logits.argmax(-1).max()) < len(tok)
+
+
+def test_release_targets_forgets_the_cached_model(tiny_target):
+    """Before torchrun ranks take the GPUs, the flow process drops the targets it cached."""
+    from draftflow.target import release_targets
+
+    first, _ = load_target(tiny_target.path)
+    assert load_target(tiny_target.path)[0] is first  # cached per process
+    release_targets()
+    again, _ = load_target(tiny_target.path)
+    assert again is not first
+    assert all(not p.is_meta for p in again.parameters())

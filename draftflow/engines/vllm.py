@@ -183,18 +183,23 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut vLLM down and free its GPU memory (the engine is unusable afterwards)."""
         llm, self.llm = self.llm, None
-        if llm is None:
-            return
-        with contextlib.suppress(Exception):  # best effort: absent in some vLLM versions
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        with contextlib.suppress(Exception):
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+        shutdown_llm(llm)
 
-            destroy_model_parallel()
-            destroy_distributed_environment()
-        gc.collect()
-        import torch
 
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+def shutdown_llm(llm) -> None:
+    """Stop a `vllm.LLM` and free its GPU memory, best effort across vLLM versions (None: nothing)."""
+    if llm is None:
+        return
+    with contextlib.suppress(Exception):  # absent in some vLLM versions
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    with contextlib.suppress(Exception):
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

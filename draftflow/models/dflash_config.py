@@ -11,6 +11,7 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from draftflow.compat import rope_scaling, rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError
 from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
@@ -68,8 +69,8 @@ class DFlashConfig:
             ConfigError: no mask id, a mask id outside the target's embedding, or bad taps.
         """
         n_layers = int(target_config.num_hidden_layers)
-        if getattr(target_config, "rope_scaling", None):
-            logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", target_config.rope_scaling)
+        if scaling := rope_scaling(target_config):
+            logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", scaling)
         ids = drafter.target_layer_ids or default_dflash_layer_ids(n_layers, drafter.num_taps)
         validate_layer_ids(ids, n_layers)
         if len(ids) != drafter.num_taps:
@@ -90,7 +91,7 @@ class DFlashConfig:
             head_dim=int(head_dim),
             intermediate_size=int(target_config.intermediate_size),
             rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=float(getattr(target_config, "rope_theta", 10000.0)),
+            rope_theta=rope_theta(target_config),
             vocab_size=int(target_config.vocab_size),
             block_size=drafter.block_size,
             target_layer_ids=list(ids),

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError, StoreError
 from draftflow.layers import FINAL, eagle3_taps
@@ -117,7 +118,7 @@ class Eagle3Config:
             head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
             intermediate_size=int(target_config.intermediate_size),
             rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=float(getattr(target_config, "rope_theta", 10000.0)),
+            rope_theta=rope_theta(target_config),
             vocab_size=int(target_config.vocab_size),
             draft_vocab_size=int(draft_vocab_size),
             target_layer_ids=eagle3_taps(drafter.target_layer_ids, n_layers),
@@ -134,7 +135,7 @@ class Eagle3Config:
             raise ConfigError(f"num_heads {self.num_heads} not a multiple of {self.num_kv_heads}")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft vocabulary of {self.draft_vocab_size} tokens for a target vocabulary of "
-                              f"{self.vocab_size}; set tokenize.draft_vocab_size between 1 and {self.vocab_size}")
+                              f"{self.vocab_size}; set drafter.draft_vocab_size between 1 and {self.vocab_size}")
         if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
             raise ConfigError(f"drafter.ttt_steps must be >= 1 and 0 < drafter.ttt_decay <= 1, got "
                               f"{self.ttt_steps} and {self.ttt_decay}")

@@ -32,11 +32,12 @@ from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
+from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
 from draftflow.layers import FINAL, default_dflash_layer_ids, eagle3_taps, validate_layer_ids
-from draftflow.stages.common import shard_result
+from draftflow.stages.common import data_shards, finalize, shard_result
 from draftflow.store import Store, shard_entry
-from draftflow.target import TargetRef
+from draftflow.target import TargetRef, resolve_device
 
 log = logging.getLogger(__name__)
 STAGE = "extract"
@@ -170,3 +171,30 @@ def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]], checksum: bo
             log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s["name"])
             bad.append(s["name"])
     return bad
+
+
+# ----------------------------------------------------------------------------- online mode
+
+
+def check_online(cfg: RunConfig) -> None:
+    """Online mode needs the hf capture engine on the training device (the target is co-located)."""
+    if cfg.extract.mode != "online":
+        return
+    if cfg.extract.engine != "hf":
+        raise ConfigError("extract.mode=online computes features inside training: set extract.engine=hf")
+    same = {"cuda": "cuda:0"}
+    if same.get(t := resolve_device(cfg.target.device), t) != same.get(d := resolve_device(cfg.train.device), d):
+        raise ConfigError(f"extract.mode=online needs the target on the training device: target.device="
+                          f"{cfg.target.device} but train.device={cfg.train.device}; set them equal")
+
+
+def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str],
+                    tokenized: dict[str, Any]) -> dict[str, Any]:
+    """The extract stage in online mode: no feature shard, the tokenize train shards to read instead."""
+    check_online(cfg)
+    shards = data_shards(tokenized["manifest"], "train")
+    rows, tokens = sum(int(s["rows"]) for s in shards), sum(int(s["tokens"]) for s in shards)
+    result = {"shard": None, "rejected": None, "rows_in": rows, "rows_out": rows, "dropped": {}}
+    extra = {"mode": "online", "tokens": tokens,
+             "tokenize": {"fingerprint": tokenized["fingerprint"], "shards": shards}}
+    return finalize(store, "extract", fp, cfg, inputs, [result], extra=extra)

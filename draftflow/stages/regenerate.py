@@ -46,7 +46,9 @@ def sampling_params(rcfg: RegenerateConfig, target_path: str) -> SamplingParams:
     except OSError:
         gen = GenerationConfig()
     sampled = bool(gen.do_sample)
-    temperature = rcfg.temperature if rcfg.temperature is not None else (gen.temperature if sampled else 0.0)
+    # transformers 5 leaves unset fields None (4.x filled in 1.0): sampling without a temperature is 1.0.
+    gen_temperature = gen.temperature if gen.temperature is not None else 1.0
+    temperature = rcfg.temperature if rcfg.temperature is not None else (gen_temperature if sampled else 0.0)
     top_p = rcfg.top_p if rcfg.top_p is not None else (gen.top_p if sampled and gen.top_p else 1.0)
     top_k = rcfg.top_k if rcfg.top_k is not None else (gen.top_k if sampled and gen.top_k else 0)
     return SamplingParams(rcfg.max_new_tokens, float(temperature or 0.0), float(top_p), int(top_k), rcfg.seed)

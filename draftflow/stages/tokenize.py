@@ -178,19 +178,15 @@ def merge_freq(store: Store, fp: str, results: list[dict[str, Any]]) -> Counter:
 
 def write_vocab_files(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
                       results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Write `token_freq.parquet` and `draft_vocab.safetensors`; return their manifest entries."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig
+    """Write `token_freq.parquet` (supervised token counts); return its manifest entry in a list.
 
+    The EAGLE-3 draft vocabulary is chosen from these counts by the train stage (`draft_vocab`),
+    so changing `drafter.draft_vocab_size` never changes this stage's digest, which would
+    recompute every feature shard downstream.
+    """
     total = merge_freq(store, fp, results)
     entries = []
     with store.writing(store.stage_path(STAGE, fp, "token_freq.parquet")) as tmp:
         write_rows(tmp, [{"token_id": t, "count": c} for t, c in sorted(total.items())], FREQ)
         entries.append(shard_entry("token_freq.parquet", tmp, rows=len(total), kind="freq"))
-    vocab = AutoConfig.from_pretrained(target.path, revision=cfg.target.revision).vocab_size
-    d2t, t2d = draft_vocab(total, vocab, cfg.tokenize.draft_vocab_size)
-    with store.writing(store.stage_path(STAGE, fp, "draft_vocab.safetensors")) as tmp:
-        save_file({"d2t": torch.tensor(d2t, dtype=torch.int64), "t2d": torch.tensor(t2d, dtype=torch.bool)}, tmp)
-        entries.append(shard_entry("draft_vocab.safetensors", tmp, rows=len(d2t), kind="draft_vocab"))
     return entries

@@ -1,7 +1,7 @@
 """Train stage: feature shards -> a drafter checkpoint (DFlash, or EAGLE-3 with `drafter.kind: eagle3`).
 
-EAGLE-3 also reads the draft vocabulary (d2t/t2d) written by the tokenize stage that fed
-extract (`draft_vocab`), and its feature shards hold the target's final normed state too.
+EAGLE-3 also chooses its draft vocabulary (d2t/t2d) from the token counts of the tokenize
+stage that fed extract (`draft_vocab`); its feature shards hold the target's final normed state too.
 
 Training runs in a local work folder (`<root>/train/<fp>/work` for a local
 root) that keeps periodic checkpoints, so a crashed run resumes from its last
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from draftflow.checkpoint import CKPT_DIR, KEEP_CHECKPOINTS, latest_checkpoint
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
 from draftflow.export import (
@@ -39,7 +41,7 @@ from draftflow.models.dflash import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
-from draftflow.target import TargetRef, load_target, resolve_device
+from draftflow.target import TargetRef, load_target
 
 log = logging.getLogger(__name__)
 STAGE = "train"
@@ -62,32 +64,44 @@ def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: list[dict[str, Any]]) 
             )
 
 
-def draft_vocab(store: Store, features: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) of the tokenize stage the features came from (checksum verified).
+def token_counts(store: Store, features: dict[str, Any]) -> str:
+    """Local, checksum-verified path of `token_freq.parquet` of the tokenize stage the features came from.
 
     Raises:
-        ConfigError: the extract manifest does not name its tokenize stage, or that stage has no vocabulary.
+        ConfigError: the extract manifest does not name its tokenize stage, or that stage has no counts.
     """
-    from safetensors.torch import load_file
-
     m = features["manifest"]
     if m["extra"].get("mode") == "online":
         fps = {m["extra"]["tokenize"]["fingerprint"]}
     else:
         fps = {s.get("tokenize_fingerprint") for s in data_shards(m, "train")}
     tm = store.read_manifest("tokenize", next(iter(fps))) if len(fps) == 1 and None not in fps else None
-    entry = next((e for e in (tm or {}).get("shards", []) if e.get("kind") == "draft_vocab"), None)
+    entry = next((e for e in (tm or {}).get("shards", []) if e.get("kind") == "freq"), None)
     if entry is None:
-        raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's draft_vocab.safetensors, but the features "
+        raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's token_freq.parquet, but the features "
                           f"name tokenize stage(s) {sorted(map(str, fps))} without one; re-run tokenize and extract")
-    maps = load_file(store.verify_sha("tokenize", next(iter(fps)), entry))
-    return maps["d2t"], maps["t2d"]
+    return store.verify_sha("tokenize", next(iter(fps)), entry)
+
+
+def draft_vocab(store: Store, features: dict[str, Any], size: int,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): the `size` most frequent supervised tokens counted by tokenize, for a target
+    vocabulary of `vocab_size`. Chosen here, not in tokenize, so `drafter.draft_vocab_size` is a
+    train setting: changing it re-runs training only, never extract."""
+    from collections import Counter
+
+    from draftflow.data.schema import read_rows
+    from draftflow.stages.tokenize import draft_vocab as top_tokens
+
+    counts = Counter({r["token_id"]: r["count"] for r in read_rows(token_counts(store, features))})
+    d2t, t2d = top_tokens(counts, vocab_size, size)
+    return torch.tensor(d2t, dtype=torch.int64), torch.tensor(t2d, dtype=torch.bool)
 
 
 def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
     """(the drafter config of `drafter.kind`, the draft vocabulary for EAGLE-3 else None)."""
     if cfg.drafter.kind == "eagle3":
-        d2t, t2d = draft_vocab(store, features)
+        d2t, t2d = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
         return Eagle3Config.from_target(model.config, cfg.drafter, d2t.numel()), (d2t, t2d)
     return DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer)), None
 
@@ -107,7 +121,11 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     manifest is written here, last, only after training succeeded.
     """
     out = work_dir(store, fp)
-    trained = (train_in_children if use_torchrun(cfg.train) else train_here)(store, cfg, target, features, out)
+    mirror = checkpoint_mirror(store, fp)
+    if mirror:
+        pull_checkpoint(store, mirror, out)
+    trained = (train_in_children if use_torchrun(cfg.train) else train_here)(store, cfg, target, features, out,
+                                                                             mirror)
     metrics, tokens = trained.metrics, trained.tokens
     entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
@@ -120,7 +138,10 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
              "trained_tokens": tokens, "features": cfg.extract.mode,
              "export": {fmt: store.url(store.stage_path(STAGE, fp, "export", fmt)) for fmt in EXPORT_FORMATS},
              "files": files}
-    return finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
+    manifest = finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
+    if mirror and store.fs.exists(mirror):  # the stage is complete: its resume copies are no longer needed
+        store.fs.rm(mirror, recursive=True)
+    return manifest
 
 
 # ----------------------------------------------------------------------------- where training runs
@@ -136,22 +157,25 @@ class Trained:
     tokens: int  # their tokens
 
 
-def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any], out: str) -> Trained:
+def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any], out: str,
+               mirror: str | None = None) -> Trained:
     """Load the target, the drafter config and the samples, and train in this process.
 
-    The in-process path, and what each torchrun rank runs (`draftflow.launch`).
+    The in-process path, and what each torchrun rank runs (`draftflow.launch`). With
+    `mirror` (remote roots), every checkpoint is also copied there (`push_checkpoint`).
     """
     from draftflow.train import train_drafter
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
-    metrics = train_drafter(samples, model, dcfg, cfg.train, out, draft_vocab=vocab)
+    push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
+    metrics = train_drafter(samples, model, dcfg, cfg.train, out, draft_vocab=vocab, on_checkpoint=push)
     return Trained(metrics, model.config, len(samples), tokens)
 
 
 def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any],
-                      out: str) -> Trained:
+                      out: str, mirror: str | None = None) -> Trained:
     """Train in `train.nproc_per_node` torchrun processes on this node (see `draftflow.launch`).
 
     The spec names the store root, the features manifest (its shards: feature files, or the
@@ -164,11 +188,73 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
 
     if not store.is_local:
         prefetch_inputs(store, cfg, features)
+    release_gpu_models()
     spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
-            "features": features, "out_dir": out}
+            "features": features, "out_dir": out, "mirror": mirror}
     result = launch_training(spec, cfg.train, out)
     target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
     return Trained(result["metrics"], target_config, result["rows"], result["tokens"])
+
+
+# ----------------------------------------------------------------------------- checkpoints on remote roots
+# On an s3:// root the work folder is on the worker's local disk; a retry on another pod or
+# machine would start from step 0. Each checkpoint is therefore copied under
+# `train/<fp>/work/checkpoints/step_N/` in the store, its `COMPLETE` marker last, and the
+# newest complete one is pulled back before training when it is newer than any local one.
+MIRROR_DONE = "COMPLETE"
+
+
+def checkpoint_mirror(store: Store, fp: str) -> str | None:
+    """Where checkpoints of this train stage are copied in the store (None: local root, no copy)."""
+    return None if store.is_local else store.stage_path(STAGE, fp, "work", CKPT_DIR)
+
+
+def _remote_steps(store: Store, mirror: str) -> list[str]:
+    """Complete remote checkpoint folders, oldest first."""
+    if not store.fs.exists(mirror):
+        return []
+    found = sorted(p.rstrip("/") for p in store.fs.ls(mirror, detail=False) if p.rstrip("/").split("/")[-1]
+                   .startswith("step_"))
+    return [p for p in found if store.fs.exists(f"{p}/{MIRROR_DONE}")]
+
+
+def push_checkpoint(store: Store, mirror: str, folder: Path) -> None:
+    """Copy a complete local checkpoint folder to the store (marker last), keeping the newest few."""
+    dest = f"{mirror}/{folder.name}"
+    for f in sorted(folder.iterdir()):
+        store.fs.put_file(str(f), f"{dest}/{f.name}")
+    store.fs.pipe_file(f"{dest}/{MIRROR_DONE}", b"")
+    for old in _remote_steps(store, mirror)[:-KEEP_CHECKPOINTS]:
+        store.fs.rm(old, recursive=True)
+
+
+def pull_checkpoint(store: Store, mirror: str, out: str) -> Path | None:
+    """Fetch the newest complete remote checkpoint into `out/checkpoints` if newer than the local ones."""
+    remote = _remote_steps(store, mirror)
+    local = latest_checkpoint(out)
+    if not remote or (local is not None and local.name >= remote[-1].split("/")[-1]):
+        return None
+    name = remote[-1].split("/")[-1]
+    root = Path(out) / CKPT_DIR
+    tmp, final = root / f".tmp_{name}", root / name
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in store.fs.ls(remote[-1], detail=False):
+        if not f.endswith(MIRROR_DONE):
+            store.fs.get_file(f, str(tmp / f.rstrip("/").split("/")[-1]))
+    tmp.rename(final)
+    log.info("resuming from the checkpoint copied to the store: %s", store.url(remote[-1]))
+    return final
+
+
+def release_gpu_models() -> None:
+    """Free what earlier stages left on this process's GPU (a cached target, a vLLM capture
+    engine holding `gpu_memory_utilization` of it) before the ranks take the same GPUs."""
+    from draftflow.capture import release_capture_engines
+    from draftflow.target import release_targets
+
+    release_capture_engines()
+    release_targets()
 
 
 def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> None:
@@ -182,7 +268,7 @@ def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> N
         for s in data_shards(m, "train"):
             store.verify_sha("extract", features["fingerprint"], s)
     if cfg.drafter.kind == "eagle3":
-        draft_vocab(store, features)
+        token_counts(store, features)
 
 
 def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[str, Any]:
@@ -219,30 +305,6 @@ def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFla
 
 
 # ----------------------------------------------------------------------------- online mode
-
-
-def check_online(cfg: RunConfig) -> None:
-    """Online mode needs the hf capture engine on the training device (the target is co-located)."""
-    if cfg.extract.mode != "online":
-        return
-    if cfg.extract.engine != "hf":
-        raise ConfigError("extract.mode=online computes features inside training: set extract.engine=hf")
-    same = {"cuda": "cuda:0"}
-    if same.get(t := resolve_device(cfg.target.device), t) != same.get(d := resolve_device(cfg.train.device), d):
-        raise ConfigError(f"extract.mode=online needs the target on the training device: target.device="
-                          f"{cfg.target.device} but train.device={cfg.train.device}; set them equal")
-
-
-def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str],
-                    tokenized: dict[str, Any]) -> dict[str, Any]:
-    """The extract stage in online mode: no feature shard, the tokenize train shards to read instead."""
-    check_online(cfg)
-    shards = data_shards(tokenized["manifest"], "train")
-    rows, tokens = sum(int(s["rows"]) for s in shards), sum(int(s["tokens"]) for s in shards)
-    result = {"shard": None, "rejected": None, "rows_in": rows, "rows_out": rows, "dropped": {}}
-    extra = {"mode": "online", "tokens": tokens,
-             "tokenize": {"fingerprint": tokenized["fingerprint"], "shards": shards}}
-    return finalize(store, "extract", fp, cfg, inputs, [result], extra=extra)
 
 
 class OnlineSamples:

@@ -1,0 +1,85 @@
+"""transformers 4 / 5 differences, in one place.
+
+draftflow runs on transformers 4.57 (the CPU default) and 5.16-5.19 (what current vLLM pins), so
+library code reads a target's HF config through these helpers instead of attributes that moved.
+Each helper names the transformers version that changed the API. Call sites that are already
+portable (`from_pretrained(dtype=...)`, `apply_chat_template(..., return_dict=...)` with the
+argument spelled out) need nothing here.
+
+What it deliberately does not know: model families beyond the config fields they share. The key
+trade-off: duck-typed reads (attribute present or not) rather than version checks, so a config
+written by either version, or a plain namespace in tests, works the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+DEFAULT_ROPE_THETA = 10000.0
+
+
+def _rope_parameters(config: Any) -> Mapping[str, Any] | None:
+    """transformers 5.0 moved `rope_theta` and `rope_scaling` into one `rope_parameters` dict.
+
+    Models with per-layer-type RoPE (Gemma 3: `{"full_attention": {...}, "sliding_attention": {...}}`)
+    nest one dict per layer type; the full-attention one is the model's global RoPE, the value
+    transformers 4 kept in `rope_theta`.
+    """
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, Mapping):
+        return None
+    if "rope_theta" not in params and isinstance(params.get("full_attention"), Mapping):
+        return params["full_attention"]
+    return params
+
+
+def rope_theta(config: Any) -> float:
+    """The RoPE base of an HF config: `rope_parameters["rope_theta"]` (5.x) or `rope_theta` (4.x)."""
+    params = _rope_parameters(config)
+    if params is not None and params.get("rope_theta") is not None:
+        return float(params["rope_theta"])
+    # transformers 5 raises AttributeError for `rope_theta`: getattr's default covers both versions.
+    theta = getattr(config, "rope_theta", None)
+    return float(theta) if theta is not None else DEFAULT_ROPE_THETA
+
+
+def rope_scaling(config: Any) -> dict[str, Any] | None:
+    """Non-default RoPE scaling (YaRN, llama3, ...) of an HF config, or None for plain RoPE.
+
+    transformers 5.0: `rope_parameters` always exists (`rope_type: "default"` for plain RoPE) and
+    `rope_scaling` is an alias of it, so a truthy `rope_scaling` no longer means scaled RoPE.
+    """
+    params = _rope_parameters(config)
+    if params is None:
+        scaling = getattr(config, "rope_scaling", None)
+        return dict(scaling) if scaling else None
+    if params.get("rope_type", params.get("type", "default")) == "default":
+        return None
+    return {k: v for k, v in params.items() if k != "rope_theta"}
+
+
+def config_dtype(config: Any) -> Any:
+    """The dtype an HF config records: `dtype` (4.56 renamed it; 5.x warns on `torch_dtype`)."""
+    return getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+
+
+@contextmanager
+def quiet_progress() -> Iterator[None]:
+    """No transformers progress bars inside the block (restored after).
+
+    transformers 5.0 draws a tqdm bar on stderr for every `save_pretrained` ("Writing model
+    shards") and `from_pretrained` ("Loading weights"), even of a one-file model; 4.x drew one
+    only for sharded checkpoints. The switch is process-wide (it also hides hub download bars),
+    so use it only around local work that is quick anyway.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
