@@ -229,13 +229,15 @@ def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, sampl
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, target, samples, dcfg):
-    real_loss, calls = train_mod.dflash_loss, []
+    import draftflow.objectives as objectives
+
+    real_loss, calls = objectives.dflash_loss, []
 
     def poisoned(logits, *args):  # the 7th forward (step 4, 2 sequences a step) returns NaN
         calls.append(1)
         return real_loss(logits * float("nan") if len(calls) == 7 else logits, *args)
 
-    monkeypatch.setattr(train_mod, "dflash_loss", poisoned)
+    monkeypatch.setattr(objectives, "dflash_loss", poisoned)
     with pytest.raises(DraftflowError, match="diverged at step 4"):
         train_drafter(samples, target, dcfg, tcfg(checkpoint_every=2), str(tmp_path))
     assert latest_checkpoint(tmp_path).name == "step_00000002"
