@@ -23,6 +23,9 @@ from dataclasses import dataclass, field
 log = logging.getLogger(__name__)
 
 
+MIN_RATE_SECONDS = 1.0  # elapsed time before a speed is shown
+
+
 @dataclass(frozen=True)
 class Progress:
     """A stage's progress at one moment: `done` of `total` `unit`s; `rate` per second since it began."""
@@ -77,7 +80,8 @@ class _Stage:
         total = max(self.declared, sum(t for _, t in self.parts.values()))
         elapsed = time.monotonic() - self.started
         worked = done - sum(self.parts[p][0] for p in self.skipped)
-        rate = worked / elapsed if elapsed > 0 and worked > 0 else None
+        # No speed (nor ETA) from the first instants: one step in a millisecond is not a rate.
+        rate = worked / elapsed if elapsed >= MIN_RATE_SECONDS and worked > 0 else None
         return Progress(stage, done, total, self.unit, elapsed, rate, self.session)
 
 

@@ -28,12 +28,14 @@ def test_parallel_parts_add_up_to_the_stage_and_the_final_report_is_heard(heard)
     assert len(heard) == 2  # the end is heard once
 
 
-def test_skipped_parts_count_as_done_but_not_as_speed(heard):
+def test_skipped_parts_count_as_done_but_not_as_speed(heard, monkeypatch):
     progress.begin("stage-b", total=100)
     progress.report("stage-b", 90, 90, part="cached", skipped=True)
     snap = progress.snapshot("stage-b")
     assert snap.done == 90 and snap.rate is None and snap.eta is None
     progress.report("stage-b", 5, 10, part="live")
+    assert progress.snapshot("stage-b").rate is None  # too early for a speed (MIN_RATE_SECONDS)
+    monkeypatch.setattr(progress, "MIN_RATE_SECONDS", 0.0)
     assert progress.snapshot("stage-b").rate is not None
 
 
