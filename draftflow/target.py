@@ -26,7 +26,7 @@ from pathlib import Path
 from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir
+from draftflow.store import default_cache_dir, write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +63,20 @@ class TargetRef:
 def folder_fingerprint(path: Path) -> str:
     """sha256 over every file's relative name and content (weights included).
 
-    Cached per process by the files' names, sizes and mtimes, so a 16 GB model
-    folder is read once per process, not once per call.
+    Cached by the files' names, sizes and mtimes, in this process and on disk under the
+    cache directory (`fingerprints/`), so a 16 GB model folder is read once per machine
+    and version of its files, not on every `draftflow run` or `status`. Like curate's
+    source keys, an in-place rewrite that keeps every size and mtime is not seen.
     """
     stat = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.rglob("*")) if f.is_file())
-    return _content_hash(path, stat)
+    key = hashlib.sha256(repr((str(path.resolve()), stat)).encode()).hexdigest()[:32]
+    known = default_cache_dir() / "fingerprints" / key
+    if known.is_file():
+        return known.read_text().strip()
+    fp = _content_hash(path, stat)
+    known.parent.mkdir(parents=True, exist_ok=True)
+    write_local_atomic(known, lambda tmp: Path(tmp).write_text(fp))
+    return fp
 
 
 @functools.lru_cache(maxsize=8)

@@ -35,3 +35,27 @@ def test_release_targets_forgets_the_cached_model(tiny_target):
     again, _ = load_target(tiny_target.path)
     assert again is not first
     assert all(not p.is_meta for p in again.parameters())
+
+
+def test_a_model_folder_is_hashed_once_per_version_of_its_files(tmp_path, monkeypatch):
+    """`draftflow run` and `status` fingerprint the target each time: a 16 GB folder must not be
+    re-read while its files keep their sizes and mtimes."""
+    import os
+
+    from draftflow import target as target_mod
+
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"a" * 64)
+    first = target_mod.folder_fingerprint(model)
+    assert list((tmp_path / "cache" / "fingerprints").iterdir())  # kept for the next process
+    target_mod._content_hash.cache_clear()  # as in a new process
+    st = weights.stat()
+    weights.write_bytes(b"b" * 64)  # same size; mtime put back: only a content read could tell
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert target_mod.folder_fingerprint(model) == first  # answered from the cache, not re-read
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version of the file
+    assert target_mod.folder_fingerprint(model) != first
