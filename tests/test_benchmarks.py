@@ -1,0 +1,32 @@
+"""Every benchmark still runs (smallest settings, no timing asserted): they import library internals
+that move, and nothing else would notice until someone runs them on a GPU machine."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNS = {
+    "train": ["--steps", "1"],
+    "bench_features": ["--samples", "20", "--tokens", "16", "--width", "32", "--reads", "5"],
+    "feature_store": ["--gb", "0.002", "--repeats", "1"],
+    "tokenize": ["--conversations", "20", "--policies", "last_turn"],
+    "curate": ["--rows", "300", "--workers", "1"],
+    "regenerate": ["--engine", "hf", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_benchmark_runs_and_prints_a_ratio(name, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTFLOW_TORCH_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *RUNS[name]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    out = proc.stdout + proc.stderr
+    assert re.search(r"ratio|\d\.?\d*x\b", out), out[-2000:]  # "ratio 0.97" or "1.4x" against its baseline
