@@ -23,8 +23,9 @@ BUCKET = "draftflow-s3run"
 ROOT = f"s3://{BUCKET}/runs/tiny"
 STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
 # What a run with a remote root may keep on local disk (see README "Runs on S3"): the built target,
-# content-keyed copies of shards it read, and train's work folder (checkpoints while training).
-LOCAL_CACHES = {"store", "train-work"}
+# content-keyed copies of shards it read, train's work folder (checkpoints while training) and the
+# target folder's fingerprint, keyed by its files' sizes and mtimes.
+LOCAL_CACHES = {"store", "train-work", "fingerprints"}
 
 
 class _Collect(logging.Handler):
