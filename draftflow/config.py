@@ -337,6 +337,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
+    return validate_config(data, origin)
+
+
+def validate_config(data: dict[str, Any], origin: str) -> RunConfig:
+    """A `RunConfig` from plain data; a bad key or value is a one-line `ConfigError` naming `origin`."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow import __version__
-from draftflow.config import RunConfig
+from draftflow.config import RunConfig, validate_config
 from draftflow.errors import DraftflowError
 from draftflow.store import MANIFEST, Store, code_version
 
@@ -77,8 +77,13 @@ def recorded_config(root: str) -> RunConfig:
     if not store.exists(store.path(RUN_JSON)):
         raise DraftflowError(f"no run found at {root} (it has no {RUN_JSON}); pass a run folder that "
                              "`draftflow run` wrote (e.g. runs/tiny) or the run's config file (e.g. configs/tiny.yaml)")
-    recorded = store.read_json(store.path(RUN_JSON))["config"]
-    return RunConfig.model_validate({**recorded, "root": root})
+    info = store.read_json(store.path(RUN_JSON))
+    try:
+        return validate_config({**info["config"], "root": root}, f"{root}/{RUN_JSON}")
+    except DraftflowError as exc:
+        raise DraftflowError(f"the run at {root} was recorded by draftflow {info.get('draftflow', '?')}, whose "
+                             f"config this version does not accept ({exc}); pass the run's config file "
+                             "instead (draftflow status configs/<name>.yaml)") from None
 
 
 def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
@@ -99,5 +104,33 @@ def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
             m = store.read_json(store.stage_path(s["stage"], fp, MANIFEST))
             entry |= {k: m[k] for k in ("rows_in", "rows_out", "dropped", "tokens")}
             entry |= {"shards": len(m["shards"]), "bytes": sum(int(x["bytes"]) for x in m["shards"]), "manifest": m}
+        else:
+            entry["older"] = older_results(store, cfg, s["stage"], fp)
         out.append(entry)
     return out
+
+
+def older_results(store: Store, cfg: RunConfig, stage: str, fp: str | None) -> list[dict[str, Any]]:
+    """Complete results of `stage` under other fingerprints, each with why it is not this run's:
+    `code` (draftflow or a library it depends on changed), the config fields that differ
+    (dotted), `inputs` (an upstream stage's result differs). Newest code version first."""
+    from draftflow.config import STAGE_SECTIONS
+
+    found = []
+    for path in store.fs.glob(store.stage_path(stage, "*", MANIFEST)):
+        other = path.rstrip("/").split("/")[-2]
+        if other == fp:
+            continue
+        m = store.read_json(store.stage_path(stage, other, MANIFEST))
+        why = [] if m.get("code_version") == code_version(stage) else ["code"]
+        for name in STAGE_SECTIONS[stage]:
+            now, then = cfg.section(name), m.get("config", {}).get(name)
+            if isinstance(now, dict) and isinstance(then, dict):
+                why += [f"{name}.{k}" for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
+            elif now != then:
+                why.append(name)
+        if fp is not None and not why:
+            why.append("inputs")
+        found.append({"fingerprint": other, "path": store.url(store.stage_path(stage, other)), "why": why,
+                      "code_version": m.get("code_version")})
+    return sorted(found, key=lambda r: str(r["code_version"]), reverse=True)

@@ -248,6 +248,8 @@ def cmd_status(args) -> int:
         if s["state"] != "complete":
             where = s["path"] or "(waits for its inputs)"
             print(f"  {s['stage']:<11} {s['state']:<9} {where}")
+            for o in s["older"][:3]:  # why earlier results of this stage are not reused
+                print(f"  {'':<11} {'':<9} older result {o['path']} differs in: {', '.join(o['why'])}")
             continue
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['state']:<9} rows {s['rows_in']:>7} -> {s['rows_out']:<7} "

@@ -130,3 +130,35 @@ def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
     assert scheduled["nightly"] == {"config_path": "configs/tiny.yaml", "overrides": [], "stage": "regenerate",
                                          "upstream": "run"}
     assert "stage" not in scheduled["weekly"]  # the whole pipeline
+
+
+def test_status_says_why_an_older_result_is_not_reused(tmp_path):
+    """After a config edit (or an upgrade) a stage shows as "to run"; its older result is named with
+    the fields that differ, so nobody wonders why terabytes are about to be recomputed."""
+    from draftflow.config import STAGE_SECTIONS
+    from draftflow.runinfo import older_results
+    from draftflow.store import MANIFEST, Store, code_version
+    from tests.conftest import tiny_config
+
+    before = tiny_config(tmp_path / "run", "train.lr=0.001")
+    now = tiny_config(tmp_path / "run", "train.lr=0.002")
+    store = Store(now.root)
+    for fp, version in (("aaaa", code_version("train")), ("bbbb", "0.0.1+old")):
+        store.write_json(store.stage_path("train", fp, MANIFEST), {
+            "code_version": version, "config": {n: before.section(n) for n in STAGE_SECTIONS["train"]}})
+    found = {o["fingerprint"]: o["why"] for o in older_results(store, now, "train", "cccc")}
+    assert found == {"aaaa": ["train.lr"], "bbbb": ["code", "train.lr"]}
+    assert older_results(store, now, "train", "aaaa")[0]["fingerprint"] == "bbbb"  # its own result is not older
+
+
+def test_a_run_folder_from_another_version_is_one_line(tmp_path):
+    import json
+
+    import pytest
+
+    from draftflow.errors import DraftflowError
+    from draftflow.runinfo import RUN_JSON, recorded_config
+
+    (tmp_path / RUN_JSON).write_text(json.dumps({"draftflow": "0.0.1", "config": {"tokenize": {"old_key": 1}}}))
+    with pytest.raises(DraftflowError, match=r"recorded by draftflow 0\.0\.1.*'tokenize\.old_key'.*config file"):
+        recorded_config(str(tmp_path))
