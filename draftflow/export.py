@@ -67,6 +67,8 @@ from draftflow.models.dflash import (
     WEIGHTS_NAME,
     DFlashConfig,
     DFlashDrafter,
+    load_exact,
+    read_weights_and_config,
     write_weights_and_config,
 )
 from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
@@ -187,11 +189,8 @@ def speculators_config(cfg: DFlashConfig, target_config: Any, verifier: str | No
 
 
 def _read_checkpoint(checkpoint_dir: str | Path) -> tuple[DFlashConfig, dict[str, torch.Tensor]]:
-    folder = Path(checkpoint_dir)
-    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
-    cfg = DFlashConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-    return cfg, load_file(str(folder / WEIGHTS_NAME))
+    config, weights = read_weights_and_config(checkpoint_dir)
+    return DFlashConfig.from_dict(config), weights
 
 
 def _write(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
@@ -261,13 +260,7 @@ def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFla
         return load_exported_eagle3(folder, data, target_model)
     cfg = config_from_export(data)
     weights = import_state_dict(load_file(str(folder / WEIGHTS_NAME)))
-    model = DFlashDrafter(cfg, target_model)
-    expected = set(model.trainable_state_dict())
-    if set(weights) != expected:
-        raise StoreError(f"{folder} weights do not match its config: missing {sorted(expected - set(weights))[:5]}, "
-                         f"unexpected {sorted(set(weights) - expected)[:5]}")
-    model.load_state_dict(weights, strict=False)
-    return model
+    return load_exact(DFlashDrafter(cfg, target_model), weights, folder)
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
@@ -348,12 +341,8 @@ def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: s
 
 
 def _eagle3_checkpoint(checkpoint_dir: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    folder = Path(checkpoint_dir)
-    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
-    cfg = Eagle3Config.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-    weights = {k: v for k, v in load_file(str(folder / WEIGHTS_NAME)).items() if not k.startswith(EAGLE3_SHARED)}
-    return cfg, weights
+    config, weights = read_weights_and_config(checkpoint_dir)
+    return Eagle3Config.from_dict(config), {k: v for k, v in weights.items() if not k.startswith(EAGLE3_SHARED)}
 
 
 def _renamed(weights: dict[str, torch.Tensor], table: dict[str, str]) -> dict[str, torch.Tensor]:

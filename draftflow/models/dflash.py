@@ -164,7 +164,29 @@ class DecoderLayer(nn.Module):
 # ----------------------------------------------------------------------------- the drafter
 
 
-class DFlashDrafter(nn.Module):
+class SharedTargetDrafter(nn.Module):
+    """What every drafter borrowing frozen target modules shares: those modules (`shared_prefixes`)
+    are never saved nor counted as trainable; the rest is written by `write_weights_and_config`."""
+
+    shared_prefixes: tuple[str, ...] = ()
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every drafter weight and buffer except the shared target modules."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes)}
+
+    def param_counts(self) -> tuple[int, int]:
+        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        return trainable, frozen
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write `model.safetensors` (`trainable_state_dict`) and `config.json` to a local dir."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
+        write_weights_and_config(out_dir, tensors, self.config.to_dict())
+
+
+class DFlashDrafter(SharedTargetDrafter):
     """DFlash drafter sharing the target's (frozen) embedding and LM head.
 
     Args:
@@ -176,6 +198,8 @@ class DFlashDrafter(nn.Module):
     Raises:
         ConfigError: the mask id has no embedding row, or the widths disagree.
     """
+
+    shared_prefixes = SHARED_PREFIXES
 
     def __init__(self, cfg: DFlashConfig, target_model: nn.Module):
         super().__init__()
@@ -243,23 +267,6 @@ class DFlashDrafter(nn.Module):
         h = self.forward_hidden(block_ids, block_pos, ctx_hidden, ctx_pos, attn_mask)
         return self.lm_head(h.to(self.lm_head.weight.dtype))
 
-    # ------------------------------------------------------------------ bookkeeping
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every drafter weight except the shared embedding and LM head."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
-
-    def param_counts(self) -> tuple[int, int]:
-        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
-        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
-        return trainable, frozen
-
-    def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` (trainable weights only) and `config.json` to a local dir."""
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
-        write_weights_and_config(out_dir, tensors, self.config.to_dict())
-
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> DFlashDrafter:
         """Rebuild a saved drafter around `target_model`'s embedding and head.
@@ -267,20 +274,8 @@ class DFlashDrafter(nn.Module):
         Raises:
             StoreError: files missing, or weights that do not match the config exactly.
         """
-        folder = Path(in_dir)
-        if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-            raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
-        cfg = DFlashConfig.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-        model = cls(cfg, target_model)
-        weights = load_file(str(folder / WEIGHTS_NAME))
-        expected = set(model.trainable_state_dict())
-        if set(weights) != expected:
-            raise StoreError(
-                f"{folder / WEIGHTS_NAME} does not match its config: missing "
-                f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}"
-            )
-        model.load_state_dict(weights, strict=False)
-        return model.to(target_model.get_input_embeddings().weight.device)
+        config, weights = read_weights_and_config(in_dir)
+        return load_exact(cls(DFlashConfig.from_dict(config), target_model), weights, in_dir)
 
 
 def _check_shared(cfg: DFlashConfig, embed: nn.Module, head: nn.Module | None) -> None:
@@ -305,3 +300,30 @@ def write_weights_and_config(out_dir: str | Path, tensors: dict[str, torch.Tenso
     text = json.dumps(config, indent=2, sort_keys=True)
     write_local_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
     return out
+
+
+def read_weights_and_config(in_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json as data, the weights) of a folder `write_weights_and_config` wrote.
+
+    Raises:
+        StoreError: either file is missing.
+    """
+    folder = Path(in_dir)
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
+    return json.loads((folder / CONFIG_NAME).read_text()), load_file(str(folder / WEIGHTS_NAME))
+
+
+def load_exact(model: SharedTargetDrafter, weights: dict[str, torch.Tensor], where: str | Path):
+    """`model` holding exactly `weights` (its `trainable_state_dict` names), moved to the device of
+    the target modules it shares.
+
+    Raises:
+        StoreError: a name missing or unexpected.
+    """
+    expected = set(model.trainable_state_dict())
+    if set(weights) != expected:
+        raise StoreError(f"the weights in {where} do not match their config: missing "
+                         f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
+    model.load_state_dict(weights, strict=False)
+    return model.to(model.embed_tokens.weight.device)

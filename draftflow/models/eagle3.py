@@ -43,29 +43,27 @@ off-diagonal entries of steps 1..i.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
-from draftflow.errors import ConfigError, StoreError
+from draftflow.errors import ConfigError
 from draftflow.layers import FINAL, eagle3_taps
 from draftflow.models.attention import sdpa_attention
 from draftflow.models.dflash import (
-    CONFIG_NAME,
     MLP,
-    WEIGHTS_NAME,
     RMSNorm,
+    SharedTargetDrafter,
     apply_rope,
+    load_exact,
+    read_weights_and_config,
     rope_cos_sin,
-    write_weights_and_config,
 )
 
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
@@ -228,7 +226,7 @@ class Eagle3Layer(nn.Module):
 # ----------------------------------------------------------------------------- the drafter
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(SharedTargetDrafter):
     """EAGLE-3 drafter sharing the target's frozen embedding (and, for soft targets, its LM head).
 
     Args:
@@ -241,6 +239,8 @@ class Eagle3Drafter(nn.Module):
     Raises:
         ConfigError: widths that disagree with the target, or d2t/t2d that disagree with each other.
     """
+
+    shared_prefixes = SHARED_PREFIXES
 
     def __init__(self, cfg: Eagle3Config, target_model: nn.Module, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
@@ -322,23 +322,6 @@ class Eagle3Drafter(nn.Module):
         """
         return (self.unroll(feats, step_ids, pos), *self.soft_targets(final_hidden))
 
-    # ------------------------------------------------------------------ bookkeeping
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every drafter weight and the d2t/t2d buffers; not the shared target modules."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(SHARED_PREFIXES)}
-
-    def param_counts(self) -> tuple[int, int]:
-        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
-        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
-        return trainable, frozen
-
-    def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` (own weights + d2t/t2d) and `config.json` to a local dir."""
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
-        write_weights_and_config(out_dir, tensors, self.config.to_dict())
-
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:
         """Rebuild a saved drafter around `target_model`'s embedding and head.
@@ -346,23 +329,14 @@ class Eagle3Drafter(nn.Module):
         Raises:
             StoreError: files missing, or weights that do not match the config exactly.
         """
-        folder = Path(in_dir)
-        if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-            raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
-        cfg = Eagle3Config.from_dict(json.loads((folder / CONFIG_NAME).read_text()))
-        return cls.from_weights(cfg, load_file(str(folder / WEIGHTS_NAME)), target_model, str(folder))
+        config, weights = read_weights_and_config(in_dir)
+        return cls.from_weights(Eagle3Config.from_dict(config), weights, target_model, str(in_dir))
 
     @classmethod
     def from_weights(cls, cfg: Eagle3Config, weights: dict[str, torch.Tensor], target_model: nn.Module,
                      where: str) -> Eagle3Drafter:
         """A drafter holding exactly `weights` (draftflow names, d2t/t2d included)."""
-        model = cls(cfg, target_model, weights.get("d2t"), weights.get("t2d"))
-        expected = set(model.trainable_state_dict())
-        if set(weights) != expected:
-            raise StoreError(f"{where} weights do not match its config: missing {sorted(expected - set(weights))[:5]}, "
-                             f"unexpected {sorted(set(weights) - expected)[:5]}")
-        model.load_state_dict(weights, strict=False)
-        return model.to(target_model.get_input_embeddings().weight.device)
+        return load_exact(cls(cfg, target_model, weights.get("d2t"), weights.get("t2d")), weights, where)
 
 
 @torch.no_grad()
