@@ -183,14 +183,13 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of one rank: `python -m draftflow.launch <spec.json>` under torchrun."""
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m draftflow.launch <spec.json> (run by the train stage under torchrun)",
-              file=sys.stderr)
-        return 2
-    spec_path = Path(args[0])
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args) != 1:
+        log.error("usage: python -m draftflow.launch <spec.json> (run by the train stage under torchrun)")
+        return 2
+    spec_path = Path(args[0])
     try:
         _run_rank(json.loads(spec_path.read_text()), spec_path.parent, rank)
     except BaseException as exc:  # noqa: BLE001  (reported to the parent, then a non-zero exit)
