@@ -25,6 +25,21 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # ----------------------------------------------------------------------------- config
 
 
+def target_dims(target_config: Any) -> dict[str, Any]:
+    """The dimensions a drafter copies from its target's HF config (Qwen3/Llama-like fields)."""
+    heads = int(target_config.num_attention_heads)
+    return {
+        "hidden_size": int(target_config.hidden_size),
+        "num_heads": heads,
+        "num_kv_heads": int(getattr(target_config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
+        "intermediate_size": int(target_config.intermediate_size),
+        "rms_norm_eps": float(target_config.rms_norm_eps),
+        "rope_theta": rope_theta(target_config),
+        "vocab_size": int(target_config.vocab_size),
+    }
+
+
 @dataclass
 class DFlashConfig:
     """Drafter shape: dims copied from the target, depth and block from `DrafterConfig`."""
@@ -81,18 +96,9 @@ class DFlashConfig:
         mask_id = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
         if mask_id is None:
             raise ConfigError("no mask token id: set drafter.mask_token_id or pass len(tokenizer)")
-        heads = int(target_config.num_attention_heads)
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // heads
         cfg = cls(
-            hidden_size=int(target_config.hidden_size),
+            **target_dims(target_config),
             num_layers=drafter.num_layers,
-            num_heads=heads,
-            num_kv_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(target_config.intermediate_size),
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=rope_theta(target_config),
-            vocab_size=int(target_config.vocab_size),
             block_size=drafter.block_size,
             target_layer_ids=list(ids),
             mask_token_id=int(mask_id),

@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL, eagle3_taps
@@ -65,6 +64,7 @@ from draftflow.models.dflash import (
     read_weights_and_config,
     rope_cos_sin,
 )
+from draftflow.models.dflash_config import target_dims
 
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
 SHARED_PREFIXES = ("embed_tokens.", "target_head.")
@@ -108,16 +108,8 @@ class Eagle3Config:
             raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
                               f"{drafter.num_layers}; remove it or set 1")
         n_layers = int(target_config.num_hidden_layers)
-        heads = int(target_config.num_attention_heads)
         cfg = cls(
-            hidden_size=int(target_config.hidden_size),
-            num_heads=heads,
-            num_kv_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
-            head_dim=int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
-            intermediate_size=int(target_config.intermediate_size),
-            rms_norm_eps=float(target_config.rms_norm_eps),
-            rope_theta=rope_theta(target_config),
-            vocab_size=int(target_config.vocab_size),
+            **target_dims(target_config),
             draft_vocab_size=int(draft_vocab_size),
             target_layer_ids=eagle3_taps(drafter.target_layer_ids, n_layers),
             num_target_layers=n_layers,
