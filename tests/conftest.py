@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -114,25 +116,51 @@ def target():
     return Qwen3ForCausalLM(cfg).eval()
 
 
-@pytest.fixture(scope="module")
-def s3_env():
-    """A real S3-compatible server (moto) on 127.0.0.1; yields its endpoint with the env set for s3fs."""
+@contextmanager
+def moto_s3(**extra_env: str):
+    """A real S3-compatible server (moto) on 127.0.0.1 with the env set for s3fs (fake credentials,
+    overridable through `extra_env`); yields its endpoint; the env is restored afterwards."""
     moto_server = pytest.importorskip("moto.server")
+    import s3fs
+
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     host, port = server.get_host_and_port()
     env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}"}
+           "AWS_ENDPOINT_URL": f"http://{host}:{port}", **extra_env}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    import s3fs
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield env["AWS_ENDPOINT_URL"]
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
 
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield env["AWS_ENDPOINT_URL"]
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
+
+@pytest.fixture(scope="module")
+def s3_env():
+    """A real S3-compatible server (moto) on 127.0.0.1; yields its endpoint with the env set for s3fs."""
+    with moto_s3() as endpoint:
+        yield endpoint
+
+
+def preempt_training(monkeypatch, at: int) -> Callable[[], None]:
+    """Make `train_drafter` die ("preempted") in its `at`-th optimizer step call; returns the undo."""
+    import draftflow.train as train_mod
+
+    real_step, calls = train_mod._train_step, []
+
+    def preempted(*args, **kw):
+        calls.append(1)
+        if len(calls) == at:
+            raise RuntimeError("preempted")
+        return real_step(*args, **kw)
+
+    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    return lambda: monkeypatch.setattr(train_mod, "_train_step", real_step)

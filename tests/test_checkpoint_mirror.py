@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import draftflow.train as train_mod
 from draftflow.stages.train import MIRROR_DONE, pull_checkpoint, push_checkpoint
 from draftflow.store import Store
 from draftflow.train import latest_checkpoint, train_drafter
+from tests.conftest import preempt_training
 from tests.test_train import samples, tcfg, weights  # noqa: F401  (the samples fixture)
 
 
@@ -26,18 +26,10 @@ def test_a_preempted_run_resumes_on_another_machine_from_the_store(tmp_path, mon
 
     full = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "uninterrupted"))
 
-    real_step, calls = train_mod._train_step, []
-
-    def preempted(*args, **kw):  # machine A dies during step 8, after the step-5 checkpoint
-        calls.append(1)
-        if len(calls) == 8:
-            raise RuntimeError("preempted")
-        return real_step(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    restore = preempt_training(monkeypatch, at=8)  # machine A dies during step 8, after the step-5 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):
         train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "machine-a"), on_checkpoint=push)
-    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    restore()
     remote = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(mirror, detail=False))
     assert remote == ["step_00000005"]
     assert store.fs.exists(f"{mirror}/step_00000005/{MIRROR_DONE}")  # the marker, written last

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 import draftflow.models.eagle3 as e3
-import draftflow.train as train_mod
 from draftflow.batches import make_eagle3_batch
 from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, TrainConfig
@@ -26,6 +25,7 @@ from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, 
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.stages.tokenize import draft_vocab
 from draftflow.train import eagle3_loss, latest_checkpoint, train_drafter
+from tests.conftest import preempt_training
 
 TAPS = [1, 2, 3]  # the 6-layer test target is too shallow for the default taps
 K = 3  # unroll steps
@@ -239,19 +239,11 @@ def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, sam
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):
     full = train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "a"), draft_vocab=vocab)
-    real_step, calls = train_mod._train_step, []
-
-    def preempted(*args, **kw):  # dies during step 7, after the step-4 checkpoint
-        calls.append(1)
-        if len(calls) == 7:
-            raise RuntimeError("preempted")
-        return real_step(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    restore = preempt_training(monkeypatch, at=7)  # dies during step 7, after the step-4 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):
         train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), draft_vocab=vocab)
     assert latest_checkpoint(tmp_path / "b").name == "step_00000004"
-    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    restore()
     assert train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), draft_vocab=vocab) == full
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import moto_s3, tiny_config
 
 KEY_ID = "AKIADRAFTFLOWFAKE7Q3Z"
 SECRET = "dfSecret+Fake/9b1e6c27a4f84d0f8e3a5c2b7d9e1f4a"
@@ -40,26 +40,12 @@ class _Collect(logging.Handler):
 @pytest.fixture(scope="module")
 def s3_creds(tmp_path_factory):
     """moto's S3 server with distinctive fake credentials, and a fresh local cache to inspect."""
-    moto_server = pytest.importorskip("moto.server")
     import s3fs
 
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ACCESS_KEY_ID": KEY_ID, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port}", "DRAFTFLOW_CACHE": str(tmp_path_factory.mktemp("cache"))}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    yield s3fs.S3FileSystem()
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    s3fs.S3FileSystem.clear_instance_cache()
-    server.stop()
+    with moto_s3(AWS_ACCESS_KEY_ID=KEY_ID, AWS_SECRET_ACCESS_KEY=SECRET,
+                 DRAFTFLOW_CACHE=str(tmp_path_factory.mktemp("cache"))):
+        s3fs.S3FileSystem().mkdir(BUCKET)
+        yield s3fs.S3FileSystem()
 
 
 def _local_files(folder: Path) -> set[str]:

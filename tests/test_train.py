@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import draftflow.train as train_mod
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluate import capture_taps
@@ -26,7 +25,7 @@ from draftflow.train import (
     train_drafter,
     warmup_cosine,
 )
-from tests.conftest import MASK_ID, B
+from tests.conftest import MASK_ID, B, preempt_training
 
 
 @pytest.fixture(scope="module")
@@ -190,19 +189,11 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples,
     again = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "b"))
     assert all(torch.equal(weights(tmp_path / "a")[k], v) for k, v in weights(tmp_path / "b").items())
 
-    real_step, calls = train_mod._train_step, []
-
-    def preempted(*args, **kw):  # dies during step 8, after the step-5 checkpoint
-        calls.append(1)
-        if len(calls) == 8:
-            raise RuntimeError("preempted")
-        return real_step(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    restore = preempt_training(monkeypatch, at=8)  # dies during step 8, after the step-5 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):
         train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "c"))
     assert latest_checkpoint(tmp_path / "c").name == "step_00000005"
-    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    restore()
     resumed = train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "c"))
     a, c = weights(tmp_path / "a"), weights(tmp_path / "c")
     assert set(a) == set(c) and all(torch.equal(a[k], c[k]) for k in a)
@@ -261,18 +252,10 @@ def test_bucketed_resume_equals_uninterrupted(tmp_path, monkeypatch, target, sam
     mixed = [FeatureSample(s.sample_id, s.input_ids[: 14 + i], s.loss_mask[: 14 + i], s.hidden[: 14 + i])
              for i, s in enumerate(samples)]
     full = train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "a"))
-    real_step, calls = train_mod._train_step, []
-
-    def preempted(*args, **kw):
-        calls.append(1)
-        if len(calls) == 7:
-            raise RuntimeError("preempted")
-        return real_step(*args, **kw)
-
-    monkeypatch.setattr(train_mod, "_train_step", preempted)
+    restore = preempt_training(monkeypatch, at=7)
     with pytest.raises(RuntimeError, match="preempted"):
         train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "b"))
-    monkeypatch.setattr(train_mod, "_train_step", real_step)
+    restore()
     assert train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "b")) == full
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
