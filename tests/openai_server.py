@@ -3,9 +3,11 @@
 It renders the messages with the target's chat template (`ChatFormat.prompt_ids`, with
 `chat_template_kwargs` and `tools`), generates greedily with `HFEngine.generate_ids`, one
 request at a time (the model lock), and answers in chat-completion JSON. Faults are
-injected by the test: the next N requests fail with a status, stall past the client's
-timeout, or get a canned message; `restart()` drops every connection (in-flight requests
-get no answer, as when a process dies) and listens again on the same port.
+injected by the test: the next N requests fail with a status, are held until the server
+stops (past any client timeout, whatever the machine's load), or get a canned message;
+`restart()` drops every connection (in-flight requests get no answer, as when a process
+dies) and listens again on the same port. Waits are event-based, never timed: a test that
+counts requests must hold under a loaded CI machine.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class OpenAITestServer:
         self._conns: set[socket.socket] = set()
         self._httpd: _HTTPServer | None = None
         self._epoch = 0
+        self._released = threading.Event()  # set by stop(): held requests return (and are dropped)
+        self._held = threading.Event()  # set when a request starts being held
+        self._gate: tuple[int, threading.Event] | None = None
 
     @property
     def url(self) -> str:
@@ -63,14 +68,21 @@ class OpenAITestServer:
     def fail_next(self, status: int, n: int = 1, message: str = "injected failure") -> None:
         self.faults.extend([("status", (status, message))] * n)
 
-    def stall_next(self, seconds: float, n: int = 1) -> None:
-        self.faults.extend([("stall", seconds)] * n)
+    def hold_next(self, n: int = 1) -> None:
+        """The next `n` requests get no answer until the server stops (a client sees a timeout)."""
+        self.faults.extend([("hold", None)] * n)
+
+    def gate_first(self, n: int, timeout_s: float = 60.0) -> None:
+        """The next `n` requests wait until `n` are in flight at once (or `timeout_s`), then go on."""
+        self._gate = (n, threading.Event())
+        self._gate_timeout_s = timeout_s
 
     def canned_next(self, message: dict[str, Any], finish_reason: str = "stop", n: int = 1) -> None:
         self.faults.extend([("canned", (message, finish_reason))] * n)
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self) -> OpenAITestServer:
+        self._released = threading.Event()
         self._httpd = _HTTPServer(("127.0.0.1", self.port), _make_handler(self))
         self.port = self._httpd.server_address[1]
         threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -83,6 +95,7 @@ class OpenAITestServer:
         with self._lock:
             self._epoch += 1
             conns, self._conns = list(self._conns), set()
+        self._released.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         self._httpd = None
@@ -97,8 +110,15 @@ class OpenAITestServer:
         time.sleep(down_s)
         self.start()
 
-    def restart_later(self, after_s: float, down_s: float = 0.2) -> threading.Thread:
-        t = threading.Thread(target=lambda: (time.sleep(after_s), self.restart(down_s)), daemon=True)
+    def restart_when_held(self, down_s: float = 0.2) -> threading.Thread:
+        """Hold the next request, and restart the server once it is held: that request is always cut."""
+        self._held.clear()
+        self.hold_next()
+
+        def run():
+            if self._held.wait(timeout=120):
+                self.restart(down_s)
+        t = threading.Thread(target=run, daemon=True)
         t.start()
         return t
 
@@ -112,6 +132,11 @@ class OpenAITestServer:
         with self._lock:
             self.in_flight += 1
             self.peak = max(self.peak, self.in_flight)
+            gate = self._gate
+            if gate and self.in_flight >= gate[0]:
+                gate[1].set()
+        if gate is not None and not gate[1].is_set():
+            gate[1].wait(self._gate_timeout_s)
 
     def leave(self, epoch: int, status: int) -> bool:
         """Count the request out; False when a restart cut it (its answer must not be sent)."""
@@ -130,8 +155,10 @@ class OpenAITestServer:
         if fault and fault[0] == "status":
             status, message = fault[1]
             return status, {"error": {"message": message, "type": "InjectedError", "code": status}}
-        if fault and fault[0] == "stall":
-            time.sleep(fault[1])
+        if fault and fault[0] == "hold":
+            released = self._released
+            self._held.set()
+            released.wait()
         time.sleep(self.delay_s)
         if fault and fault[0] == "canned":
             return 200, self._response(*fault[1], {"prompt_tokens": 1, "completion_tokens": 1})

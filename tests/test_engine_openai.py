@@ -48,8 +48,10 @@ def expected(hf, requests_):
     return [hf.generate([r], PARAMS)[0] for r in requests_]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def servers(hf):
+    """Two fresh servers per test: a request an earlier test left behind (a held or timed-out one)
+    can never be counted by this one. Stopping releases any request still held."""
     pair = [OpenAITestServer(hf).start(), OpenAITestServer(hf).start()]
     yield pair
     for s in pair:
@@ -58,12 +60,7 @@ def servers(hf):
 
 @pytest.fixture
 def server(servers):
-    """The first server, with its faults and counters reset (both servers are reset)."""
-    for s in servers:
-        s.faults.clear()
-        s.delay_s, s.handled, s.dropped, s.peak = 0.0, 0, 0, 0
-        s.bodies.clear()
-        s.auth.clear()
+    """The first of this test's servers."""
     return servers[0]
 
 
@@ -117,8 +114,8 @@ def test_template_kwargs_reach_the_template(server, make_engine, hf):
 def test_retries_survive_5xx_and_a_timeout(server, make_engine, requests_, expected):
     server.fail_next(500)
     server.fail_next(503, n=2)
-    server.stall_next(1.5)
-    engine = make_engine(server.url, timeout_s=1.0, max_retries=5, max_concurrency=1)
+    server.hold_next()  # no answer until the test ends: a timeout however loaded the machine is
+    engine = make_engine(server.url, timeout_s=2.0, max_retries=5, max_concurrency=1)
     assert_same(engine.generate(requests_, PARAMS), expected)
     assert len(server.bodies) == len(requests_) + 4
 
@@ -132,9 +129,8 @@ def test_round_robin_spreads_requests_and_skips_a_dead_endpoint(servers, server,
 
 
 def test_server_restart_mid_batch_loses_nothing(server, make_engine, requests_, expected):
-    server.delay_s = 0.25
     engine = make_engine(server.url, max_concurrency=2, max_retries=8)
-    restart = server.restart_later(after_s=0.4, down_s=0.3)
+    restart = server.restart_when_held(down_s=0.3)  # the first request is in flight when the server dies
     assert_same(engine.generate(requests_ * 2, PARAMS), expected * 2)
     restart.join()
     assert server.dropped >= 1
@@ -166,7 +162,7 @@ def test_check_reachable(server, make_engine):
 
 
 def test_concurrency_never_exceeds_the_bound(server, make_engine, requests_):
-    server.delay_s = 0.15
+    server.gate_first(3)  # the first requests wait until three are in flight: the bound is reached, not raced
     make_engine(server.url, max_concurrency=3).generate(requests_ * 3, PARAMS)
     assert server.peak == 3
 
