@@ -44,6 +44,14 @@ tensors, no embedding, no target LM head:
   `update_eagle3` (`transformers_utils/configs/speculators/algos.py`) defaults
   `norm_before_residual` to True when absent, so it is always written (False).
 
+Every export folder also holds a `README.md` with the exact `vllm serve` line
+(`draftflow.export_readme`), and names its target portably (a hub id or a folder's name, never an
+absolute path). The vLLM DFlash folder also carries `modeling_dflash.py`
+(`draftflow/models/modeling_dflash.py`, copied) and an `auto_map` naming it, so
+`AutoModel.from_pretrained(DIR, trust_remote_code=True)` builds the drafter; `model_type`
+stays "qwen3" and `auto_map` names no `AutoConfig`, so vLLM (which picks its DFlash model by
+`architectures` and loads the config with Qwen3Config) reads the folder as before.
+
 What it does not know: training, stores (it writes a local folder; the train stage copies
 it into the artifact store). Trade-off: one rename table shared by both formats and
 by `load_exported`, so a name vLLM would not recognise fails the export, not the server.
@@ -61,6 +69,7 @@ from safetensors.torch import load_file
 
 from draftflow.compat import config_dtype
 from draftflow.errors import StoreError
+from draftflow.export_readme import README_NAME, portable_target_name, write_readme
 from draftflow.models.dflash import (
     CONFIG_NAME,
     SHARED_PREFIXES,
@@ -73,6 +82,7 @@ from draftflow.models.dflash import (
 )
 from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.store import write_local_atomic
 
 # draftflow parameter-name prefix -> exported (vLLM / speculators) prefix. Every exported
 # tensor must match one entry; the shared embedding and LM head are never exported.
@@ -94,7 +104,27 @@ CONFIG_FIELDS: dict[str, str] = {
     "rope_theta": "rope_theta",
     "vocab_size": "vocab_size",
 }
-EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME)
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, README_NAME)  # in every export folder
+MODELING_NAME = "modeling_dflash.py"
+# Only AutoModel: an AutoConfig entry would make vLLM and AutoConfig need trust_remote_code.
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+
+
+def export_files(kind: str, fmt: str) -> tuple[str, ...]:
+    """The files an export folder of drafter `kind` ("dflash" | "eagle3") in `fmt` ("vllm" | "speculators") holds."""
+    return EXPORT_FILES + ((MODELING_NAME,) if (kind, fmt) == ("dflash", "vllm") else ())
+
+
+def modeling_file() -> Path:
+    """draftflow's transformers modeling file for DFlash exports (imports only torch and transformers)."""
+    from draftflow.models import modeling_dflash  # imported, not only located: the train stage's code hash sees it
+
+    return Path(modeling_dflash.__file__)
+
+
+def default_target_name(target_config: Any) -> str:
+    """The portable name of the target a config was loaded from (`_name_or_path`; "target" when unset)."""
+    return portable_target_name(getattr(target_config, "_name_or_path", None) or None, "target")
 
 
 # ----------------------------------------------------------------------------- names
@@ -155,6 +185,7 @@ def vllm_config(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
     """config.json for vLLM's DFlashDraftModel."""
     return qwen3_dims(cfg, target_config) | {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": AUTO_MAP,  # transformers: modeling_dflash.py in the folder; vLLM ignores it
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "target_hidden_size": cfg.hidden_size,
@@ -164,7 +195,7 @@ def vllm_config(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
 
 def speculators_config(cfg: DFlashConfig, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
     """config.json in the speculators format (see the module docstring for its source)."""
-    verifier = verifier or getattr(target_config, "_name_or_path", None) or "target"
+    verifier = verifier or default_target_name(target_config)
     return {
         "speculators_model_type": "dflash",
         "architectures": ["DFlashSpeculator"],
@@ -193,36 +224,56 @@ def _read_checkpoint(checkpoint_dir: str | Path) -> tuple[DFlashConfig, dict[str
     return DFlashConfig.from_dict(config), weights
 
 
-def _write(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor]) -> Path:
-    return write_weights_and_config(out_dir, export_state_dict(weights), config)
+def write_export(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor], target_name: str,
+                 served_from: str | None = None) -> Path:
+    """An export folder: `config.json`, `model.safetensors` (already renamed), `README.md`, and the
+    modeling file when `config` has an `auto_map`; each file written atomically.
+
+    Args:
+        target_name: the portable target name the README's serve line uses.
+        served_from: the folder's path in the serve line; default: `out_dir`, absolute.
+    """
+    out = write_weights_and_config(out_dir, weights, config)
+    if config.get("auto_map"):
+        source = modeling_file().read_bytes()
+        write_local_atomic(out / MODELING_NAME, lambda tmp: Path(tmp).write_bytes(source))
+    write_readme(out, config, target_name, served_from or str(out.resolve()))
+    return out
 
 
-def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any) -> Path:
-    """Write a folder vLLM serves as a DFlash speculative model.
+def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
+                       target_name: str | None = None, served_from: str | None = None) -> Path:
+    """Write a folder vLLM serves as a DFlash speculative model (and transformers loads, see `AUTO_MAP`).
 
     Args:
         checkpoint_dir: a `DFlashDrafter.save` folder (model.safetensors + config.json).
         out_dir: local folder to write (created; files replaced atomically).
         target_config: the target's HF config (max_position_embeddings, torch_dtype).
+        target_name: the target's portable name for the README; default from `target_config`.
+        served_from: the folder's path or URL for the README's serve line; default `out_dir`.
 
     Returns:
-        `out_dir` as a Path, holding `EXPORT_FILES`.
+        `out_dir` as a Path, holding `export_files("dflash", "vllm")`.
     """
     cfg, weights = _read_checkpoint(checkpoint_dir)
-    return _write(out_dir, vllm_config(cfg, target_config), weights)
+    target_name = target_name or default_target_name(target_config)
+    return write_export(out_dir, vllm_config(cfg, target_config), export_state_dict(weights), target_name,
+                        served_from)
 
 
 def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
-                       verifier: str | None = None) -> Path:
+                       target_name: str | None = None, served_from: str | None = None) -> Path:
     """Write the drafter in the speculators format (loadable by vLLM and `speculators`).
 
     Args:
-        verifier: the target's name or path recorded as the verifier; default: the
-            target config's `_name_or_path`.
+        target_name: the target's portable name (`draftflow.export_readme.portable_target_name`),
+            recorded as `verifier.name_or_path`; default from the target config's `_name_or_path`.
+        served_from: as for `export_vllm_dflash`.
     """
     cfg, weights = _read_checkpoint(checkpoint_dir)
-    config = speculators_config(cfg, target_config, verifier)
-    return _write(out_dir, config, weights)
+    target_name = target_name or default_target_name(target_config)
+    config = speculators_config(cfg, target_config, target_name)
+    return write_export(out_dir, config, export_state_dict(weights), target_name, served_from)
 
 
 # ----------------------------------------------------------------------------- load back
@@ -321,7 +372,7 @@ def eagle3_vllm_config(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
 
 def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
     """config.json in the speculators EAGLE-3 format (see the module docstring)."""
-    verifier = verifier or getattr(target_config, "_name_or_path", None) or "target"
+    verifier = verifier or default_target_name(target_config)
     return {
         "speculators_model_type": "eagle3",
         "architectures": ["Eagle3Speculator"],
@@ -349,19 +400,23 @@ def _renamed(weights: dict[str, torch.Tensor], table: dict[str, str]) -> dict[st
     return {_rename(k, table): v.detach().cpu().contiguous() for k, v in weights.items()}
 
 
-def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any) -> Path:
-    """Write a folder vLLM serves as an EAGLE-3 speculative model (native layout)."""
+def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
+                       target_name: str | None = None, served_from: str | None = None) -> Path:
+    """Write a folder vLLM serves as an EAGLE-3 speculative model (native layout); arguments as
+    for `export_vllm_dflash`."""
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     config = eagle3_vllm_config(cfg, target_config)
-    return write_weights_and_config(out_dir, _renamed(weights, EAGLE3_VLLM_NAMES), config)
+    return write_export(out_dir, config, _renamed(weights, EAGLE3_VLLM_NAMES),
+                        target_name or default_target_name(target_config), served_from)
 
 
 def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
-                              verifier: str | None = None) -> Path:
-    """Write an EAGLE-3 drafter in the speculators format."""
+                              target_name: str | None = None, served_from: str | None = None) -> Path:
+    """Write an EAGLE-3 drafter in the speculators format; arguments as for `export_speculators`."""
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
-    config = eagle3_speculators_config(cfg, target_config, verifier)
-    return write_weights_and_config(out_dir, _renamed(weights, EAGLE3_SPECULATORS_NAMES), config)
+    target_name = target_name or default_target_name(target_config)
+    config = eagle3_speculators_config(cfg, target_config, target_name)
+    return write_export(out_dir, config, _renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from)
 
 
 def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:

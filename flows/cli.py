@@ -145,6 +145,10 @@ def cmd_run(args) -> int:
     tau = summary["tau"]
     print(f"mean acceptance length tau = {'n/a' if tau is None else f'{tau:.3f}'}")
     print(f"checkpoint: {summary['checkpoint']}")
+    for fmt, path in summary.get("exports", {}).items():
+        print(f"export ({fmt}): {path}")
+        if summary.get("serve", {}).get(fmt):
+            print(f"  serve: {summary['serve'][fmt]}")
     print(f"report: {summary['report']}")
     print(f"wall time {time.time() - start:.1f} s")
     return 0

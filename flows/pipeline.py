@@ -39,14 +39,16 @@ def pipeline(cfg: RunConfig) -> dict:
 
 
 def summarize(cfg: RunConfig, stages: list[dict]) -> dict:
-    report = stages[-1]["manifest"]["extra"]
+    report, trained = stages[-1]["manifest"]["extra"], stages[-2]["manifest"]["extra"]
     return {
         "name": cfg.name,
         "stages": [{k: s[k] for k in ("stage", "status", "fingerprint", "path")} |
                    {"rows_in": s["manifest"]["rows_in"], "rows_out": s["manifest"]["rows_out"],
                     "dropped": s["manifest"]["dropped"]} for s in stages],
         "tau": report["tau"],
-        "checkpoint": stages[-2]["manifest"]["extra"]["checkpoint"],
+        "checkpoint": trained["checkpoint"],
+        "exports": trained.get("export", {}),  # format -> folder
+        "serve": trained.get("serve", {}),  # format -> `vllm serve` line (built by the train stage)
         "report": report["report"],
     }
 
@@ -59,6 +61,8 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
         key=artifact_key(cfg.name, "result"),
         markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {_tau(summary['tau'])}**\n\n"
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
+                 + "".join(f"- export ({fmt}): `{path}`\n\n  ```\n  {summary['serve'].get(fmt, '')}\n  ```\n\n"
+                           for fmt, path in summary["exports"].items())
                  + _read_text(summary["report"]) + "\n" + plots_markdown([s["path"] for s in summary["stages"]]),
     )
     publish_links(cfg, {"checkpoint": summary["checkpoint"], "report": summary["report"]})

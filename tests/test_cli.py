@@ -162,3 +162,39 @@ def test_a_run_folder_from_another_version_is_one_line(tmp_path):
     (tmp_path / RUN_JSON).write_text(json.dumps({"draftflow": "0.0.1", "config": {"tokenize": {"old_key": 1}}}))
     with pytest.raises(DraftflowError, match=r"recorded by draftflow 0\.0\.1.*'tokenize\.old_key'.*config file"):
         recorded_config(str(tmp_path))
+
+
+def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkeypatch, capsys):
+    """The CLI prints what the pipeline's summary carries (the train stage built the lines)."""
+    import draftflow.plan
+    import flows.pipeline
+    from flows import cli
+
+    serve = {"vllm": "vllm serve org/t --speculative-config '{\"method\": \"dflash\"}'",
+             "speculators": "vllm serve org/t --speculative-config '{\"method\": \"dflash\", \"x\": 1}'"}
+    summary = {"stages": [], "tau": 2.5, "checkpoint": "/r/train/fp/checkpoint", "report": "/r/evaluate/fp/report.md",
+               "exports": {"vllm": "/r/train/fp/export/vllm", "speculators": "/r/train/fp/export/speculators"},
+               "serve": serve}
+    monkeypatch.setattr(draftflow.plan, "preflight", lambda cfg: None)
+    monkeypatch.setattr(flows.pipeline, "pipeline", lambda cfg: summary)
+    for name in ("_prefect_env", "_cpu_threads", "_quiet_user_errors"):
+        monkeypatch.setattr(cli, name, lambda: None)
+    assert cli.main(["run", str(ROOT / "configs" / "tiny.yaml"), "--set", f"root={tmp_path}/r"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    i = out.index("export (vllm): /r/train/fp/export/vllm")
+    assert out[i + 1] == f"  serve: {serve['vllm']}"
+    assert out[i + 2:i + 4] == ["export (speculators): /r/train/fp/export/speculators",
+                                f"  serve: {serve['speculators']}"]
+
+
+def test_pipeline_summary_carries_the_train_stage_exports_and_serve_lines(tiny_cfg):
+    from flows.pipeline import summarize
+
+    def stage(name, extra):
+        return {"stage": name, "status": "ran", "fingerprint": "fp", "path": f"/r/{name}",
+                "manifest": {"rows_in": 1, "rows_out": 1, "dropped": {}, "extra": extra}}
+
+    train = {"checkpoint": "/r/train/checkpoint", "export": {"vllm": "/r/train/export/vllm"},
+             "serve": {"vllm": "vllm serve t --speculative-config '{}'"}}
+    summary = summarize(tiny_cfg, [stage("train", train), stage("evaluate", {"tau": 1.5, "report": "/r/report.md"})])
+    assert summary["exports"] == train["export"] and summary["serve"] == train["serve"]

@@ -1,4 +1,5 @@
-"""Export for serving: vLLM DFlash and speculators configs, names, and an exact round trip."""
+"""Export for serving: vLLM DFlash and speculators configs, names, an exact round trip, and the
+vLLM DFlash folder loaded by transformers' AutoModel (trust_remote_code) with the same logits."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_vllm_weights_names_and_no_shared_modules(tmp_path, checkpoint, target):
 
 
 def test_speculators_config(tmp_path, checkpoint, target):
-    out = export_speculators(checkpoint[0], tmp_path / "spec", target.config, verifier="org/target")
+    out = export_speculators(checkpoint[0], tmp_path / "spec", target.config, target_name="org/target")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["speculators_model_type"] == "dflash"
     assert cfg["aux_hidden_state_layer_ids"] == [2, 3, 4]  # draftflow ids [1, 2, 3] + 1
@@ -117,3 +118,97 @@ def test_load_exported_refuses_missing_weight(tmp_path, checkpoint, target):
 def test_export_refuses_missing_checkpoint(tmp_path, target):
     with pytest.raises(StoreError, match="train a drafter first"):
         export_vllm_dflash(tmp_path / "nothing", tmp_path / "out", target.config)
+
+
+# ----------------------------------------------------------------------------- transformers AutoModel
+
+
+def load_with_transformers(out, exported: dict[str, torch.Tensor]):
+    """`AutoModel.from_pretrained(out, trust_remote_code=True)`, checked to be the DFlash drafter holding
+    exactly the exported weights (transformers silently builds a Qwen3Model without auto_map, and
+    silently initialises any weight it does not find)."""
+    from transformers import AutoModel
+
+    model, info = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
+                                            output_loading_info=True)
+    assert type(model).__name__ == "DFlashDraftModel", type(model)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    state = model.state_dict()
+    assert set(state) == set(exported)
+    for name, tensor in exported.items():  # fc and hidden_norm included: loaded, not initialised
+        assert torch.equal(state[name], tensor.float()), name
+    return model.eval()
+
+
+def hf_logits(model, target, ids, pos, ctx, mask=None) -> torch.Tensor:
+    """Logits of the transformers drafter through the target's LM head (the caller's part)."""
+    T = ctx.shape[1]
+    with torch.no_grad():
+        noise = target.get_input_embeddings()(ids)
+        h = model(noise, ctx, torch.cat([torch.arange(T)[None], pos], dim=1), mask)
+        return target.lm_head(h)
+
+
+@pytest.fixture(scope="module")
+def sliding_checkpoint(tmp_path_factory, target):
+    """A 2-layer drafter whose first layer slides (window 5), norms perturbed."""
+    drafter_cfg = DrafterConfig(num_layers=2, block_size=BLOCK, num_taps=3,
+                                layer_types=["sliding_attention", "full_attention"], sliding_window=5)
+    cfg = DFlashConfig.from_target(target.config, drafter_cfg, MASK_ID)
+    torch.manual_seed(4)
+    drafter = DFlashDrafter(cfg, target).eval()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.requires_grad and name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    folder = tmp_path_factory.mktemp("ckpt-sliding")
+    drafter.save(folder)
+    return folder, drafter
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "sliding_checkpoint"])
+def test_transformers_automodel_loads_the_export_with_the_same_logits(tmp_path, request, target, which):
+    folder, original = request.getfixturevalue(which)
+    out = export_vllm_dflash(folder, tmp_path / "vllm", target.config)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"} and cfg["model_type"] == "qwen3"
+    assert (out / "modeling_dflash.py").is_file()
+    model = load_with_transformers(out, load_file(str(out / "model.safetensors")))
+    assert model.target_layer_ids == [1, 2, 3] and model.mask_token_id == MASK_ID and model.block_size == BLOCK
+
+    # Two blocks over a 12-token context with draftflow's training mask (anchors 3 and 7).
+    g = torch.Generator().manual_seed(0)
+    T, anchors = 12, torch.tensor([3, 7])
+    pos = (anchors[:, None] + torch.arange(BLOCK)[None]).reshape(1, -1)
+    ids = torch.full_like(pos, MASK_ID)
+    ids[0, ::BLOCK] = torch.randint(0, 299, (2,), generator=g)
+    ctx = torch.randn(1, T, 3 * 64, generator=g)
+    mask = block_attention_mask(anchors, BLOCK, T)[None]
+    with torch.no_grad():
+        want = original(ids, pos, ctx, torch.arange(T)[None], mask)
+    torch.testing.assert_close(hf_logits(model, target, ids, pos, ctx, mask), want, rtol=1e-5, atol=1e-5)
+
+    # Inference: one block right after the context, with the model's default mask.
+    pos1 = (T + torch.arange(BLOCK))[None]
+    ids1 = torch.tensor([[7] + [MASK_ID] * (BLOCK - 1)])
+    mask1 = block_attention_mask(torch.tensor([T]), BLOCK, T)[None]  # the anchor follows the whole context
+    with torch.no_grad():
+        want1 = original(ids1, pos1, ctx, torch.arange(T)[None], mask1)
+    torch.testing.assert_close(hf_logits(model, target, ids1, pos1, ctx), want1, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("damage", ["auto_map", "modeling file", "fc weight"])
+def test_transformers_check_fails_without_the_modeling_file_auto_map_or_a_weight(tmp_path, checkpoint, target,
+                                                                              damage):
+    out = export_vllm_dflash(checkpoint[0], tmp_path / "vllm", target.config)
+    exported = load_file(str(out / "model.safetensors"))
+    if damage == "auto_map":  # transformers then builds a plain Qwen3Model, without an error
+        cfg = json.loads((out / "config.json").read_text())
+        del cfg["auto_map"]
+        (out / "config.json").write_text(json.dumps(cfg))
+    elif damage == "modeling file":
+        (out / "modeling_dflash.py").unlink()
+    else:  # transformers then initialises fc at random, without an error
+        save_file({k: v for k, v in exported.items() if k != "fc.weight"}, str(out / "model.safetensors"))
+    with pytest.raises((AssertionError, OSError)):
+        load_with_transformers(out, exported)

@@ -28,12 +28,13 @@ from draftflow.checkpoint import CKPT_DIR, KEEP_CHECKPOINTS, latest_checkpoint
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
 from draftflow.export import (
-    EXPORT_FILES,
     export_eagle3_speculators,
     export_eagle3_vllm,
+    export_files,
     export_speculators,
     export_vllm_dflash,
 )
+from draftflow.export_readme import portable_target_name, serve_command_for
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.launch import use_torchrun
 from draftflow.metrics import write_metrics
@@ -128,16 +129,17 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
                                                                              mirror)
     metrics, tokens = trained.metrics, trained.tokens
     entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
+    exports = {fmt: store.url(store.stage_path(STAGE, fp, "export", fmt)) for fmt in EXPORT_FORMATS}
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
-    files = [commit_file(store, fp, out, f, f) for f in write_outputs(out, metrics, trained.target_config,
-                                                                     cfg.target.path or target.path, cfg.drafter.kind)]
+    written = write_outputs(out, metrics, trained.target_config, portable_target_name(cfg.target.path, target.path),
+                            cfg.drafter.kind, exports)
+    files = [commit_file(store, fp, out, f, f) for f in written]
     result = {"shard": None, "rejected": None, "rows_in": trained.rows, "rows_out": trained.rows, "dropped": {}}
     manifest_results = [result] + [{"shard": e | {"tokens": 0}, "rejected": None, "rows_in": 0, "rows_out": 0,
                                     "dropped": {}} for e in entries]
     extra = {"checkpoint": store.url(store.stage_path(STAGE, fp, "checkpoint")), "metrics": metrics,
              "trained_tokens": tokens, "features": cfg.extract.mode,
-             "export": {fmt: store.url(store.stage_path(STAGE, fp, "export", fmt)) for fmt in EXPORT_FORMATS},
-             "files": files}
+             "export": exports, "serve": serve_lines(out, target.path, exports), "files": files}
     manifest = finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
     if mirror and store.fs.exists(mirror):  # the stage is complete: its resume copies are no longer needed
         store.fs.rm(mirror, recursive=True)
@@ -278,15 +280,29 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[
         return shard_entry(name, tmp, rows=0)
 
 
-def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, verifier: str,
-                  kind: str = "dflash") -> list[str]:
-    """Metrics files and both serving exports (of `kind`) of the trained drafter in `out`; paths relative to it."""
-    vllm, speculators = {"dflash": (export_vllm_dflash, export_speculators),
-                         "eagle3": (export_eagle3_vllm, export_eagle3_speculators)}[kind]
-    vllm(out, Path(out) / "export" / "vllm", target_config)
-    speculators(out, Path(out) / "export" / "speculators", target_config, verifier=verifier)
-    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in EXPORT_FILES]
+EXPORTERS = {"dflash": {"vllm": export_vllm_dflash, "speculators": export_speculators},
+             "eagle3": {"vllm": export_eagle3_vllm, "speculators": export_eagle3_speculators}}
+
+
+def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_name: str,
+                  kind: str = "dflash", served_from: dict[str, str] | None = None) -> list[str]:
+    """Metrics files and both serving exports (of `kind`) of the trained drafter in `out`; paths relative to it.
+
+    Args:
+        target_name: the target's portable name (`draftflow.export_readme.portable_target_name`).
+        served_from: per format, where the export will be served from (its store URL) for its README.
+    """
+    for fmt in EXPORT_FORMATS:
+        EXPORTERS[kind][fmt](out, Path(out) / "export" / fmt, target_config, target_name=target_name,
+                             served_from=(served_from or {}).get(fmt))
+    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in export_files(kind, fmt)]
     return write_metrics(out, metrics) + exports
+
+
+def serve_lines(out: str, target: str, exports: dict[str, str]) -> dict[str, str]:
+    """Per format, the `vllm serve` line of the export written in `out`, served from `exports[fmt]`,
+    with the target as this machine loaded it (`target`), so the line runs here as printed."""
+    return {fmt: serve_command_for(Path(out) / "export" / fmt, target, url) for fmt, url in exports.items()}
 
 
 def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig | Eagle3Config,

@@ -1,0 +1,171 @@
+"""What an export tells its user: the `vllm serve` line, the folder's README, a portable target name.
+
+Text only: it reads an exported `config.json` (as data) and builds strings. It knows nothing
+of weights, training or stores, and starts no server (`draftflow.vllm_serve` does that);
+`draftflow.export` writes the README built here, the train stage records the serve lines,
+and the CLI prints them.
+
+Key trade-off: an export is meant to be copied and shared, so its README and its speculators
+`verifier` name the target by a portable id (the hub id as configured; for a local folder or
+the built-in tiny target, the folder's name), never an absolute path. The line `draftflow run`
+prints names the target as resolved on the machine that trained, so that one runs as printed.
+
+vLLM facts relied on (vLLM `config/speculative.py`, `transformers_utils/config.py`,
+`transformers_utils/configs/speculators/base.py`): `--speculative-config` takes JSON with
+`method` ("dflash" | "eagle3"), `model` (the draft folder) and `num_speculative_tokens`
+(DFlash: block_size - 1 drafts per round; EAGLE-3: the unroll steps). A speculators-format
+folder may instead be served alone (`vllm serve DIR`): vLLM then takes the target from
+`speculators_config.verifier.name_or_path` and the method from `speculators_model_type`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from draftflow.errors import StoreError
+from draftflow.store import write_local_atomic
+
+README_NAME = "README.md"
+CONFIG_NAME = "config.json"
+HF_CACHE_PREFIX = "models--"  # huggingface_hub cache folders: models--org--name/snapshots/<rev>
+
+
+def portable_target_name(configured: str | None, resolved: str) -> str:
+    """The target as an export names it: a hub id, or a folder's name; never an absolute path.
+
+    Args:
+        configured: `target.path` as written in the run config (None: the built-in tiny target).
+        resolved: where the target was loaded from (a hub id or a local folder).
+
+    Returns:
+        `configured` when it is a hub id; else the local folder's name (the hub id when the
+        folder is a Hugging Face cache snapshot, `models--org--name/snapshots/<rev>`).
+    """
+    if configured and not configured.startswith((".", "/", "~")) and not Path(configured).expanduser().exists():
+        return configured
+    folder = Path(configured or resolved).expanduser()
+    for part in reversed(folder.parts):
+        if part.startswith(HF_CACHE_PREFIX) and len(part) > len(HF_CACHE_PREFIX):
+            return part[len(HF_CACHE_PREFIX):].replace("--", "/")
+    return folder.resolve().name or "target"
+
+
+def speculative_settings(config: dict[str, Any]) -> tuple[str, int]:
+    """(vLLM `method`, `num_speculative_tokens`) of an exported `config.json` (either kind and format).
+
+    Raises:
+        StoreError: a config no draftflow exporter writes.
+    """
+    if "speculators_config" in config:
+        tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+        return str(config["speculators_model_type"]), int(tokens)
+    archs = config.get("architectures") or []
+    if "DFlashDraftModel" in archs:
+        return "dflash", int(config["block_size"]) - 1  # slot 0 holds the anchor
+    if "LlamaForCausalLMEagle3" in archs:
+        return "eagle3", int(config["ttt_steps"])
+    raise StoreError(f"config with architectures {archs} is not a draftflow export; re-export the drafter")
+
+
+def serve_command(target: str, export_dir: str, method: str, num_speculative_tokens: int) -> str:
+    """`vllm serve TARGET --speculative-config '{...}'`, quoted for a POSIX shell."""
+    tokens = int(num_speculative_tokens)
+    spec = json.dumps({"method": method, "model": str(export_dir), "num_speculative_tokens": tokens})
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None) -> str:
+    """The serve line of a local export folder (method and tokens read from its `config.json`).
+
+    Args:
+        export_dir: the local export folder.
+        target: the target as vLLM should load it (hub id or path).
+        served_from: where the folder is served from, if not where it is now (e.g. its store URL).
+    """
+    config = json.loads((Path(export_dir) / CONFIG_NAME).read_text())
+    return serve_command(target, served_from or str(Path(export_dir).resolve()), *speculative_settings(config))
+
+
+# ----------------------------------------------------------------------------- README
+
+TITLES = {"dflash": "DFlash", "eagle3": "EAGLE-3"}
+
+
+def export_readme(config: dict[str, Any], target: str, served_from: str) -> str:
+    """README.md of an export folder: what it is and the exact line that serves it.
+
+    Args:
+        config: the folder's `config.json`.
+        target: the portable target name (`portable_target_name`).
+        served_from: the folder's path (or store URL) as written into the serve line.
+    """
+    method, tokens = speculative_settings(config)
+    speculators = "speculators_config" in config
+    fmt = "speculators" if speculators else "vLLM-native"
+    lines = [
+        f"# {TITLES.get(method, method)} drafter for `{target}` ({fmt} format)",
+        "",
+        "Exported by draftflow: `config.json` and `model.safetensors` hold the drafter's own weights;",
+        "the token embedding and the LM head are the target's and are not in this folder.",
+        "",
+        "## Serve with vLLM",
+        "",
+        "```bash",
+        serve_command(target, served_from, method, tokens),
+        "```",
+        "",
+        f"- `{target}` is the target this drafter was trained for, as the run config named it: a Hugging Face",
+        "  id, or for a local folder (or draftflow's built-in tiny target, built as `tiny-<hash>` under",
+        "  `$DRAFTFLOW_CACHE`, default `~/.cache/draftflow`) the folder's name: draftflow never records the",
+        "  target's local path. If it is not a hub id, replace it with the path of your copy of the target.",
+        f"- `{served_from}` is where draftflow wrote this folder; use its new path if you moved or downloaded it"
+        + (" (vLLM reads a local folder: copy it from the object store first)." if "://" in served_from else "."),
+    ]
+    if speculators:
+        lines += [
+            "",
+            "A speculators-format folder can also be served on its own; vLLM then takes the target from",
+            "`speculators_config.verifier.name_or_path` in `config.json` (set it to your target's path if",
+            f"`{target}` is not a hub id) and the method from `speculators_model_type` (`{method}`):",
+            "",
+            "```bash",
+            f"vllm serve {shlex.quote(served_from)}",
+            "```",
+        ]
+    if config.get("auto_map"):
+        lines += _transformers_section(config)
+    return "\n".join(lines) + "\n"
+
+
+def _transformers_section(config: dict[str, Any]) -> list[str]:
+    ids = config["dflash_config"]["target_layer_ids"]
+    return [
+        "",
+        "## Load with transformers",
+        "",
+        "`modeling_dflash.py` (named by `auto_map`) holds the drafter as a `PreTrainedModel`; pass",
+        "`trust_remote_code=True`, or transformers silently builds a plain Qwen3 model instead:",
+        "",
+        "```python",
+        "drafter = AutoModel.from_pretrained(THIS_FOLDER, trust_remote_code=True)",
+        "out = target(context_ids, output_hidden_states=True)  # context_ids (B, C)",
+        f"taps = torch.cat([out.hidden_states[L + 1] for L in drafter.target_layer_ids], -1)  # {ids}: raw",
+        "block = torch.full((B, drafter.block_size), drafter.mask_token_id); block[:, 0] = anchor",
+        "pos = torch.arange(C + drafter.block_size).expand(B, -1)  # context, then the block",
+        "logits = target.lm_head(drafter(target.get_input_embeddings()(block), taps, pos))",
+        "```",
+        "",
+        "The drafter applies `fc` and `hidden_norm` to the raw tap states itself; slot k of the block",
+        "drafts the token at position C + k (slot 0 is the anchor).",
+    ]
+
+
+def write_readme(out_dir: str | Path, config: dict[str, Any], target: str, served_from: str) -> Path:
+    """Write `export_readme` as `out_dir/README.md` (atomically); return its path."""
+    path = Path(out_dir) / README_NAME
+    text = export_readme(config, target, served_from)
+    write_local_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    return path
