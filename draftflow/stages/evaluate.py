@@ -4,6 +4,12 @@ Acceptance is measured by decoding, not by training accuracy (high training
 accuracy with low served acceptance is a known failure). The decoded tokens
 must equal the target's own greedy output, else the stage fails. Writes
 `report.json` and `report.md` beside the manifest.
+
+With `evaluate.engine=vllm` both exports of the trained drafter (vLLM-native and
+speculators) are also served by vLLM's speculative decoding on the same prompts
+(`draftflow.vllm_serve`): their tokens must equal greedy, and vLLM's τ must be
+within `evaluate.vllm_tau_tolerance` of draftflow's, else the stage fails with
+one line: the drafter would serve differently from how it was measured.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
-from draftflow.errors import ConfigError
+from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.features import round_trip
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, shard_entry
@@ -59,14 +65,26 @@ def load_drafter(store: Store, trained: dict[str, Any], model):
         return (Eagle3Drafter if arch == "Eagle3Drafter" else DFlashDrafter).load(folder, model)
 
 
+class ServingMismatch(DraftflowError):
+    """vLLM serving the export measured a different acceptance than draftflow's own decoding."""
+
+
+def _tau(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
 def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
-    tau = "n/a" if stats["tau"] is None else f"{stats['tau']:.3f}"
     lines = [f"# {cfg.name}: drafter evaluation", "",
-             f"- mean acceptance length **τ = {tau}** over {stats['steps']} steps, "
+             f"- mean acceptance length **τ = {_tau(stats['tau'])}** over {stats['steps']} steps, "
              f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
              f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}", "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
+    if stats.get("vllm"):
+        lines += ["", f"## Served by vLLM (same prompts; tolerance ±{cfg.evaluate.vllm_tau_tolerance:g})", "",
+                  "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
+        lines += [f"| {fmt} | {_tau(r['tau'])} | {_tau(stats['tau'])} | {r['drafts']} | yes |"
+                  for fmt, r in stats["vllm"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -88,8 +106,13 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     # Draft from features rounded like the stored ones the drafter was trained on.
     n_taps = len(drafter.config.target_layer_ids)
     rounding = functools.partial(round_trip, dtype=cfg.extract.dtype, n_taps=n_taps)
-    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos_token_ids(model, tokenizer), rounding)
+    eos = eos_token_ids(model, tokenizer)
+    stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
+    outputs = stats.pop("outputs")
+    if cfg.evaluate.engine == "vllm":
+        stats["vllm"] = serve_exports(store, cfg, target, trained, prompts[: len(outputs)], outputs, stats["tau"],
+                                      sorted(eos))
     entries = []
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
@@ -102,3 +125,48 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
+
+
+def _export_folders(store: Store, trained: dict[str, Any], into: Path) -> dict[str, Path]:
+    """Each export format of the train stage (its `extra.files`), copied (checksums verified) into a local folder."""
+    folders: dict[str, Path] = {}
+    for s in trained["manifest"].get("extra", {}).get("files", []):
+        parts = Path(s["name"]).parts
+        if len(parts) == 3 and parts[0] == "export":
+            local = Path(store.verify_sha("train", trained["fingerprint"], s))
+            (into / parts[1]).mkdir(parents=True, exist_ok=True)
+            (into / parts[1] / parts[2]).write_bytes(local.read_bytes())
+            folders[parts[1]] = into / parts[1]
+    if not folders:
+        raise ConfigError("evaluate.engine=vllm: the train stage recorded no exports; re-run train")
+    return folders
+
+
+def check_served(fmt: str, served, outputs: list[list[int]], tau: float | None, tolerance: float) -> None:
+    """Fail when vLLM's tokens differ from greedy, or its τ from draftflow's by more than `tolerance`."""
+    for i, (got, want) in enumerate(zip(served.tokens, outputs)):
+        if got != want:
+            pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            raise LosslessError(f"vLLM serving the {fmt} export: prompt {i} differs from greedy at generated "
+                                f"position {pos}; vLLM's verification or the export is wrong")
+    if tau is not None and served.tau is not None and abs(served.tau - tau) > tolerance:
+        raise ServingMismatch(f"vLLM serving the {fmt} export measured tau {served.tau:.3f} but draftflow measured "
+                              f"{tau:.3f} on the same {len(outputs)} prompts (evaluate.vllm_tau_tolerance="
+                              f"{tolerance:g}): training and serving disagree (taps, mask token, attention)")
+
+
+def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: dict[str, Any],
+                  prompts: list[list[int]], outputs: list[list[int]], tau: float | None,
+                  stop_ids: list[int]) -> dict[str, Any]:
+    """Serve every export with vLLM on `prompts`; per format its τ, acceptance rates and drafting steps."""
+    from draftflow.vllm_serve import serve_with_vllm
+
+    k = cfg.drafter.ttt_steps if cfg.drafter.kind == "eagle3" else cfg.drafter.block_size - 1
+    report: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="draftflow-exports-") as tmp:
+        for fmt, folder in _export_folders(store, trained, Path(tmp)).items():
+            served = serve_with_vllm(target.path, folder, k, prompts, cfg.evaluate.max_new_tokens, stop_ids,
+                                     cfg.regenerate.vllm, cfg.target.dtype)
+            check_served(fmt, served, outputs, tau, cfg.evaluate.vllm_tau_tolerance)
+            report[fmt] = {"tau": served.tau, "acceptance_rate": served.acceptance_rate, "drafts": served.drafts}
+    return report

