@@ -3,9 +3,10 @@
 The prompt set is fixed: N synthetic single-turn chats rendered with the target's own chat template
 (`ChatFormat.prompt_ids`), so every engine and its baseline see the same token prompts and sampling.
 
-- `--engine vllm` (GPU): draftflow's `VLLMEngine.generate` against raw `LLM.generate` on the same
-  `LLM` instance, with the very same `vllm.SamplingParams` the engine builds; the ratio is the
-  share of vLLM's offline throughput draftflow keeps (target >= 0.9).
+- `--engine vllm` (GPU, or vLLM's CPU build): draftflow's `VLLMEngine.generate` against raw
+  `LLM.generate` on the same `LLM` instance, with the very same `vllm.SamplingParams` the engine
+  builds; the ratio is the share of vLLM's offline throughput draftflow keeps (target >= 0.9).
+  Then draftflow's transformers engine on the same prompts, and the vLLM/transformers ratio.
 - `--engine hf` (CPU or GPU): `HFEngine.generate` against a plain left-padded `model.generate`
   loop over the same batches.
 - `--engine openai`: draftflow's HTTP client against `--endpoint` (no baseline; compare with the
@@ -123,6 +124,21 @@ def compare(label: str, ours: Callable[[], int], raw: Callable[[], int], repeats
     log.info("%-28s %10.3f", "ratio draftflow/raw", our_rate / raw_rate)
 
 
+def next_to_transformers(vllm_run: Callable[[], int], model: str, args: argparse.Namespace,
+                         requests: list[GenRequest], params: SamplingParams) -> None:
+    """draftflow's transformers engine on the same prompts, and the vLLM / transformers throughput ratio."""
+    hf = make_engine(RegenerateConfig(engine="hf"), model, args.dtype, "auto")
+    try:
+        hf_run = draftflow_run(hf, requests, params, args.batch_size)
+        hf_run()  # warm-up
+        hf_tokens, hf_s = min((timed(hf_run) for _ in range(args.repeats)), key=lambda r: r[1])
+    finally:
+        hf.close()
+    v_tokens, v_s = min((timed(vllm_run) for _ in range(args.repeats)), key=lambda r: r[1])
+    ratio = report("draftflow vLLM engine", v_tokens, v_s) / report("draftflow transformers engine", hf_tokens, hf_s)
+    log.info("%-28s %10.3f", "ratio vLLM/transformers", ratio)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["hf", "vllm", "openai"], default="hf")
@@ -148,8 +164,9 @@ def bench(args: argparse.Namespace) -> None:
     engine = make_engine(rcfg, model, args.dtype, "auto")
     try:
         if args.engine == "vllm":  # one call with every request: how the stage submits a checkpoint interval
-            compare("vLLM LLM.generate", draftflow_run(engine, requests, params, len(requests)),
-                    raw_vllm_run(engine, requests, params), args.repeats)
+            ours = draftflow_run(engine, requests, params, len(requests))
+            compare("vLLM LLM.generate", ours, raw_vllm_run(engine, requests, params), args.repeats)
+            next_to_transformers(ours, model, args, requests, params)
         elif args.engine == "hf":
             compare("transformers generate", draftflow_run(engine, requests, params, args.batch_size),
                     raw_hf_run(engine, requests, params, args.batch_size), args.repeats)

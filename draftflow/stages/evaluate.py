@@ -123,6 +123,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     results = [{"shard": None, "rejected": None, "rows_in": len(prompts), "rows_out": n, "dropped": dropped}]
     results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
+             **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
              "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
 
@@ -161,11 +162,10 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: dict
     """Serve every export with vLLM on `prompts`; per format its τ, acceptance rates and drafting steps."""
     from draftflow.vllm_serve import serve_with_vllm
 
-    k = cfg.drafter.ttt_steps if cfg.drafter.kind == "eagle3" else cfg.drafter.block_size - 1
     report: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="draftflow-exports-") as tmp:
         for fmt, folder in _export_folders(store, trained, Path(tmp)).items():
-            served = serve_with_vllm(target.path, folder, k, prompts, cfg.evaluate.max_new_tokens, stop_ids,
+            served = serve_with_vllm(target.path, folder, prompts, cfg.evaluate.max_new_tokens, stop_ids,
                                      cfg.regenerate.vllm, cfg.target.dtype)
             check_served(fmt, served, outputs, tau, cfg.evaluate.vllm_tau_tolerance)
             report[fmt] = {"tau": served.tau, "acceptance_rate": served.acceptance_rate, "drafts": served.drafts}

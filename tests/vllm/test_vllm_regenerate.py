@@ -122,3 +122,14 @@ def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, ti
     assert _ids(got) == _ids(want)  # vLLM's greedy ids, resumed, equal transformers' uninterrupted ones
     assert '"engine": "vllm"' in got[0]["provenance"]
     assert not partial.exists()
+
+
+def test_too_long_prompts_are_answered_without_failing_the_call(vllm_engine, hf_engine):
+    from draftflow.engines.vllm import PROMPT_TOO_LONG
+
+    chat = ChatFormat(hf_engine.tokenizer)
+    short = chat.prompt_ids(CONVERSATIONS[0][0], enable_thinking=False)
+    long = (short * (600 // len(short) + 1))[:600]  # past max_model_len=512
+    out = vllm_engine.generate([GenRequest([], {}, p) for p in (short, long, short)], PARAMS)
+    assert [c.finish_reason == PROMPT_TOO_LONG for c in out] == [False, True, False]
+    assert out[1].ids == [] and out[1].prompt_tokens == 600 and out[0].ids == out[2].ids
