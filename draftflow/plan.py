@@ -50,8 +50,8 @@ def preflight(cfg: RunConfig) -> TargetRef:
     _check_taps(cfg, target)
     _check_chat(cfg, target)
     check_engine(cfg, target)
-    check_vllm(cfg, target)
     check_online(cfg)
+    check_vllm(cfg, target)
     return target
 
 

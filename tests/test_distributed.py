@@ -54,10 +54,12 @@ def _counting_steps() -> list:
     return calls
 
 
-def _worker(rank: int, world: int, port: int, target, runs: list[tuple[str, dict, bool]]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
+def _worker(rank: int, world: int, store: str, target, runs: list[tuple[str, dict, bool]]) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous: a free TCP port picked beforehand can be taken by another process before the
+    # ranks bind it (seen on a loaded machine as a gloo abort).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     calls = _counting_steps()
     try:
         for out_dir, train, short in runs:
@@ -70,18 +72,18 @@ def _worker(rank: int, world: int, port: int, target, runs: list[tuple[str, dict
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    import socket
+def _rendezvous(tmp_path) -> str:
+    """A fresh rendezvous file for one process group."""
+    import uuid
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return str(tmp_path / f"rendezvous-{uuid.uuid4().hex}")
 
 
 def test_two_gloo_ranks_equal_one_process(tmp_path, target):
     dcfg, tcfg = _cfgs(target)
     single = train_drafter(_samples(), target, dcfg, tcfg, str(tmp_path / "one"))
-    mp.spawn(_worker, args=(2, _free_port(), target, [(str(tmp_path / "two"), {}, False)]), nprocs=2, join=True)
+    runs = [(str(tmp_path / "two"), {}, False)]
+    mp.spawn(_worker, args=(2, _rendezvous(tmp_path), target, runs), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]  # every rank sees the global metrics
     assert ranks[0]["loss"] == pytest.approx(single["loss"], rel=1e-5)
@@ -135,7 +137,7 @@ def test_fsdp_equals_one_process_and_checkpoints_resume_across_modes(tmp_path, t
     assert single["skipped_sequences"] > 0
     _step3_copy(tmp_path / "one", tmp_path / "one_then_fsdp")
     runs = [(str(tmp_path / "fsdp"), fsdp, True), (str(tmp_path / "one_then_fsdp"), fsdp, True)]
-    mp.spawn(_worker, args=(2, _free_port(), target, runs), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, _rendezvous(tmp_path), target, runs), nprocs=2, join=True)
 
     ranks = [json.loads((tmp_path / "fsdp" / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1] and ranks[0]["steps_run"] == 6

@@ -144,8 +144,9 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
     url, _, tmp = server
     assert "mean acceptance length tau" in first_run.stdout
     progress_lines = [line for line in first_run.stderr.splitlines() if line.startswith("progress: ")]
-    assert any(line.startswith("progress: regenerate 43/43 rows (100%)") and "rows/s" in line
-               for line in progress_lines), progress_lines
+    # The speed appears only once a second has passed (tests/test_progress.py): how fast the tiny
+    # regenerate runs depends on the machine's load, so only the count is asserted here.
+    assert any(line.startswith("progress: regenerate 43/43 rows (100%)") for line in progress_lines), progress_lines
     assert any(line.startswith("progress: train 24/24 steps") for line in progress_lines), progress_lines
 
     with _client(url) as client:
