@@ -25,18 +25,14 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages.common import data_shards, fingerprint, manifest_digest
-from draftflow.stages.curate import check_sources, source_keys
+from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
-from draftflow.store import Store, digest
+from draftflow.stages.registry import STAGES, UPSTREAM, stage_inputs
+from draftflow.store import Store
 from draftflow.target import TargetRef, resolve_target
 
 log = logging.getLogger(__name__)
-STAGES = ("curate", "regenerate", "tokenize", "extract", "train", "evaluate")
-UPSTREAM = {
-    "curate": (), "regenerate": ("curate",), "tokenize": ("regenerate",), "extract": ("tokenize",),
-    "train": ("extract",), "evaluate": ("curate", "train"),
-}
 # Bytes per stored feature element, and what is stored per token beside the features.
 DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float8": 1}
 FP8_SCALE_BYTES = 4  # float8: one fp32 scale per token and tap
@@ -391,9 +387,7 @@ def _states(cfg: RunConfig, target: TargetRef) -> tuple[list[dict[str, Any]], di
         if blocked or any(u not in digests for u in ups):
             out.append({"stage": stage, "fingerprint": None, "state": "waits"})
             continue
-        inputs = {"target": target.fingerprint, **{u: digests[u] for u in ups}} if ups else {
-            "sources": digest(source_keys(cfg.curate))}
-        fp = fingerprint(stage, cfg, inputs)
+        fp = fingerprint(stage, cfg, stage_inputs(cfg, stage, target.fingerprint, digests))
         manifest = store.read_manifest(stage, fp)
         blocked = manifest is None
         out.append({"stage": stage, "fingerprint": fp, "state": "to run" if blocked else "complete"})

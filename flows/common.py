@@ -20,8 +20,9 @@ from prefect.futures import as_completed
 from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.stages.common import fingerprint, manifest_digest
+from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
-from flows.deploy import gpu_slot, stage_gpus
+from flows.deploy import gpu_slot
 
 
 def artifact_key(*parts: str) -> str:

@@ -45,16 +45,6 @@ def gpu_slot(task_or_stage=None, gpus: int = 1):
     return _occupy(name, max(gpus, int(os.environ.get(GPU_COUNT_ENV, "1"))))
 
 
-def stage_gpus(cfg, stage: str) -> int:
-    """GPUs one unit of `stage` occupies on its worker, from the config."""
-    if stage == "train":
-        return cfg.train.nproc_per_node
-    if (stage == "regenerate" and cfg.regenerate.engine == "vllm") or \
-            (stage == "extract" and cfg.extract.engine == "vllm"):
-        return cfg.regenerate.vllm.tensor_parallel_size
-    return 1
-
-
 @contextmanager
 def _occupy(name: str, slots: int):
     from prefect import get_run_logger

@@ -1,4 +1,5 @@
-"""The pipeline flow: one call per stage, as in the ARCHITECTURE.md diagram.
+"""The pipeline flow: every stage of the registry (`draftflow.stages.registry`), in its order, as in
+the ARCHITECTURE.md diagram; and the per-stage deployment flow, which runs a stage and what it needs.
 
     sources -> curate -> regenerate -> tokenize -> extract -> train -> evaluate
 """
@@ -11,8 +12,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.runinfo import record_run
+from draftflow.stages.registry import REGISTRY, needed, spec, stage_gpus
 from flows.common import artifact_key, plots_markdown, publish_links
-from flows.deploy import gpu_slot, stage_gpus
+from flows.deploy import gpu_slot
 from flows.progress import install as report_progress
 from flows.stages import curate_flow, evaluate_flow, extract_flow, regenerate_flow, tokenize_flow, train_flow
 from tasks.stage_tasks import prepare_target
@@ -24,22 +26,18 @@ def pipeline(cfg: RunConfig) -> dict:
     record_run(cfg)
     report_progress(cfg.name)
     target = prepare_target(cfg)
-    curated = curate_flow(cfg)
-    regenerated = regenerate_flow(cfg, target, curated)  # GPU stages take their GPU slot inside
-    tokenized = tokenize_flow(cfg, target, regenerated)
-    features = extract_flow(cfg, target, tokenized)
-    with gpu_slot(gpus=stage_gpus(cfg, "train")):
-        trained = train_flow(cfg, target, features)
-    with gpu_slot(gpus=stage_gpus(cfg, "evaluate")):
-        evaluated = evaluate_flow(cfg, target, curated, trained)
-    stages = [curated, regenerated, tokenized, features, trained, evaluated]
+    results: dict[str, dict] = {}
+    for stage in REGISTRY:  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
+        results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
+    stages = [results[s.name] for s in REGISTRY]
     summary = summarize(cfg, stages)
     publish_summary(cfg, summary)
     return summary
 
 
 def summarize(cfg: RunConfig, stages: list[dict]) -> dict:
-    report, trained = stages[-1]["manifest"]["extra"], stages[-2]["manifest"]["extra"]
+    by_name = {s["stage"]: s for s in stages}
+    report, trained = by_name["evaluate"]["manifest"]["extra"], by_name["train"]["manifest"]["extra"]
     return {
         "name": cfg.name,
         "stages": [{k: s[k] for k in ("stage", "status", "fingerprint", "path")} |
@@ -94,28 +92,19 @@ STAGE_FLOWS = {"curate": curate_flow, "regenerate": regenerate_flow, "tokenize":
                "extract": extract_flow, "train": train_flow, "evaluate": evaluate_flow}
 
 
+assert set(STAGE_FLOWS) == {s.name for s in REGISTRY}, "a stage in the registry has no flow"
+
+
 def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, dict]) -> dict:
-    """Run (or reuse) one stage's flow given its upstream results (train and evaluate hold a GPU slot;
-    regenerate and extract take theirs around their GPU-tagged shard tasks)."""
+    """Run (or reuse) one stage's flow given its upstream results, in the registry's order. A stage
+    whose whole run uses the GPU holds its slots here; shard-level GPU stages take theirs around
+    their GPU-tagged shard tasks."""
     from contextlib import nullcontext
 
-    from draftflow.plan import UPSTREAM
-
-    upstream = [results[u] for u in UPSTREAM[stage]]
-    with gpu_slot(gpus=stage_gpus(cfg, stage)) if stage in ("train", "evaluate") else nullcontext():
-        return STAGE_FLOWS[stage](cfg) if stage == "curate" else STAGE_FLOWS[stage](cfg, target, *upstream)
-
-
-def needed(stage: str) -> list[str]:
-    """`stage` and every stage it depends on, in pipeline order."""
-    from draftflow.plan import STAGES, UPSTREAM
-
-    want, todo = set(), [stage]
-    while todo:
-        s = todo.pop()
-        want.add(s)
-        todo += UPSTREAM[s]
-    return [s for s in STAGES if s in want]
+    s = spec(stage)
+    upstream = [results[u] for u in s.upstream]
+    with gpu_slot(gpus=stage_gpus(cfg, stage)) if s.gpu == "stage" else nullcontext():
+        return STAGE_FLOWS[stage](cfg, target, *upstream) if s.uses_target else STAGE_FLOWS[stage](cfg, *upstream)
 
 
 def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, dict]:
@@ -148,7 +137,8 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
     """
     from draftflow.config import load_config
     from draftflow.errors import ConfigError
-    from draftflow.plan import STAGES, preflight
+    from draftflow.plan import preflight
+    from draftflow.stages.registry import STAGES
 
     if stage not in STAGES or upstream not in ("reuse", "run"):
         raise ConfigError(f"stage must be one of {', '.join(STAGES)} and upstream reuse or run; "

@@ -26,13 +26,14 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig, RunnerConfig
 from draftflow.errors import ConfigError
+from draftflow.stages.registry import REGISTRY
 
 log = logging.getLogger(__name__)
 # A locally started instance: tasks pass small manifests, never data, so a small object store is plenty
 # (Ray's default takes 30% of RAM in /dev/shm).
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 CONNECT_TIMEOUT_S = 5.0
-GPU_STAGES = ("regenerate", "extract")  # their shard tasks are tagged `gpu`
+GPU_STAGES = tuple(s.name for s in REGISTRY if s.gpu == "shards")  # their shard tasks are tagged `gpu`
 
 
 def _prefect_ray():

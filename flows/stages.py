@@ -13,16 +13,16 @@ from prefect import flow
 
 from draftflow.config import RunConfig
 from draftflow.data.stats import table_rows
-from draftflow.metrics import metrics_table
 from draftflow.plan import check_space
 from draftflow.stages.common import data_shards, finalize
-from draftflow.stages.curate import plan_parts
-from draftflow.stages.curate import stage_inputs as curate_inputs
+from draftflow.stages.curate import check_sources, plan_parts, token_counter
 from draftflow.stages.extract import bad_shards, online_manifest
 from draftflow.stages.regenerate import check_engine
+from draftflow.stages.registry import stage_inputs
 from draftflow.stages.tokenize import write_vocab_files
 from draftflow.store import MANIFEST
 from draftflow.target import TargetRef
+from draftflow.training.metrics import metrics_table
 from flows.common import map_shards, publish_table, reuse, run_stage
 from flows.runners import StageTaskRunner
 from tasks import curate_tasks as CT
@@ -33,14 +33,16 @@ def target_ref(target: dict) -> TargetRef:
     return TargetRef(**target)
 
 
-def _inputs(target: dict, **upstream: dict) -> dict[str, str]:
-    return {"target": target["fingerprint"], **{k: v["digest"] for k, v in upstream.items()}}
+def _inputs(cfg: RunConfig, stage: str, target: dict, **upstream: dict) -> dict[str, str]:
+    """The stage's fingerprint inputs, computed as `plan` computes them (`registry.stage_inputs`)."""
+    return stage_inputs(cfg, stage, target["fingerprint"], {k: v["digest"] for k, v in upstream.items()})
 
 
 @flow(name="curate", task_runner=StageTaskRunner("curate", max_workers=os.cpu_count() or 2))
 def curate_flow(cfg: RunConfig) -> dict:
     """Scan every source part in parallel, then one merge (dedup, mixture, split, shards)."""
-    inputs, tokenizer = curate_inputs(cfg)  # fails here, before any work, on an unreachable source
+    check_sources(cfg.curate)  # fails here, before any work, on an unreachable source
+    inputs, tokenizer = stage_inputs(cfg, "curate", None, {}), token_counter(cfg)
 
     def work(store, fp):
         scans = map_shards(CT.curate_scan, store, "curate", plan_parts(cfg.curate), cfg=cfg, fp=fp,
@@ -54,7 +56,7 @@ def curate_flow(cfg: RunConfig) -> dict:
 
 @flow(name="regenerate", task_runner=StageTaskRunner("regenerate"))
 def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
-    inputs = _inputs(target, curate=curated)
+    inputs = _inputs(cfg, "regenerate", target, curate=curated)
 
     def work(store, fp):
         check_engine(cfg, target_ref(target))  # an unreachable endpoint fails here, before any shard
@@ -67,7 +69,7 @@ def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
 
 @flow(name="tokenize", task_runner=StageTaskRunner("tokenize"))
 def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
-    inputs = _inputs(target, regenerate=regenerated)
+    inputs = _inputs(cfg, "tokenize", target, regenerate=regenerated)
 
     def work(store, fp):
         results = map_shards(T.tokenize_shard, store, "tokenize", data_shards(regenerated["manifest"]), cfg=cfg, fp=fp,
@@ -86,7 +88,7 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
     """Feature shards are checked by size before the stage is reused (hashing terabytes every run
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
     cache; a bad one drops the manifest and only that shard is recomputed."""
-    inputs = _inputs(target, tokenize=tokenized)
+    inputs = _inputs(cfg, "extract", target, tokenize=tokenized)
     store, fp, manifest = reuse(cfg, "extract", inputs)
     if manifest is not None and bad_shards(store, fp, manifest["shards"], checksum=False):
         store.fs.rm(store.stage_path("extract", fp, MANIFEST))
@@ -105,7 +107,7 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
 
 @flow(name="train")
 def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
-    inputs = _inputs(target, extract=features)
+    inputs = _inputs(cfg, "train", target, extract=features)
 
     def work(store, fp):
         return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs,
@@ -118,7 +120,7 @@ def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
 
 @flow(name="evaluate")
 def evaluate_flow(cfg: RunConfig, target: dict, curated: dict, trained: dict) -> dict:
-    inputs = _inputs(target, curate=curated, train=trained)
+    inputs = _inputs(cfg, "evaluate", target, curate=curated, train=trained)
 
     def work(store, fp):
         return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,

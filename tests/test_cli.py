@@ -104,13 +104,15 @@ def test_deploy_without_a_server_is_one_line():
 
 
 def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
-    """Each entry's parameters fit its entry point's signature; CPU stages on `cpu`, the rest on `gpu`."""
+    """Each entry's parameters fit its entry point's signature; every stage of the registry has one, on
+    the `gpu` pool exactly when its spec says it uses a GPU (or a stage before it does, with upstream=run)."""
     import importlib
     import inspect
 
     import yaml
 
-    from draftflow.plan import STAGES
+    from draftflow.stages.registry import STAGES, needed
+    from draftflow.stages.registry import spec as stage_spec
 
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
     names = [d["name"] for d in spec["deployments"]]
@@ -121,7 +123,10 @@ def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
         inspect.signature(flow.fn).bind(**d["parameters"])  # raises on a missing or unknown parameter
         stage = d["parameters"].get("stage")
         assert stage is None or stage in STAGES, d["name"]
-        assert d["work_pool"]["name"] == ("cpu" if stage in ("curate", "tokenize") else "gpu"), d["name"]
+        upstream = d["parameters"].get("upstream", "reuse")
+        runs = (needed(stage) if upstream == "run" else [stage]) if stage else STAGES
+        uses_gpu = any(stage_spec(s).gpu for s in runs)
+        assert d["work_pool"]["name"] == ("gpu" if uses_gpu else "cpu"), d["name"]
         if d["work_pool"]["name"] == "gpu":
             assert d["work_pool"]["job_variables"]["env"]["DRAFTFLOW_GPU_LIMIT"] == "gpu"
         for schedule in d.get("schedules", []):

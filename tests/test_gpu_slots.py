@@ -2,7 +2,8 @@
 
 from contextlib import nullcontext
 
-from flows.deploy import gpu_slot, stage_gpus
+from draftflow.stages.registry import stage_gpus
+from flows.deploy import gpu_slot
 from tests.conftest import tiny_config
 
 

@@ -71,19 +71,33 @@ def source_keys(cfg: CurateConfig) -> dict[str, str]:
 def stage_inputs(cfg: RunConfig) -> tuple[dict[str, str], str | None]:
     """(curate's fingerprint inputs, the tokenizer path for token bounds or None).
 
-    Token bounds without `curate.tokenizer` count with the target's tokenizer, so
-    the target's fingerprint joins the inputs. Raises `SourceError` for a source
-    that cannot be reached: this runs first, before any work.
+    Raises `SourceError` for a source that cannot be reached: this runs first, before any work.
     """
     check_sources(cfg.curate)
+    return source_fingerprint_inputs(cfg), token_counter(cfg)
+
+
+def token_counter(cfg: RunConfig) -> str | None:
+    """The tokenizer that counts tokens for the token bounds: `curate.tokenizer`, else the target's
+    (None without token bounds)."""
+    if not needs_tokens(cfg.curate):
+        return None
+    if cfg.curate.tokenizer is not None:
+        return cfg.curate.tokenizer
+    from draftflow.target import resolve_target
+
+    return resolve_target(cfg.target).path
+
+
+def source_fingerprint_inputs(cfg: RunConfig) -> dict[str, str]:
+    """Curate's fingerprint inputs: the sources' content keys, and, when token bounds count with the
+    target's tokenizer (no `curate.tokenizer`), the target's fingerprint."""
     inputs = {"sources": digest(source_keys(cfg.curate))}
-    tokenizer = cfg.curate.tokenizer
-    if needs_tokens(cfg.curate) and tokenizer is None:
+    if needs_tokens(cfg.curate) and cfg.curate.tokenizer is None:
         from draftflow.target import resolve_target
 
-        ref = resolve_target(cfg.target)
-        tokenizer, inputs["tokenizer"] = ref.path, ref.fingerprint
-    return inputs, tokenizer
+        inputs["tokenizer"] = resolve_target(cfg.target).fingerprint
+    return inputs
 
 
 def _part(src: SourceConfig, index: int, files: list[str]) -> dict[str, Any]:

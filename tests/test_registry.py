@@ -1,0 +1,52 @@
+"""The stage registry: one statement of the stages that plan, status, flows, runners and GPU slots share."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftflow.config import STAGE_SECTIONS
+from draftflow.errors import ConfigError
+from draftflow.stages.registry import REGISTRY, STAGES, UPSTREAM, needed, spec, stage_gpus, stage_inputs
+from tests.conftest import tiny_config
+
+
+def test_the_registry_is_in_dependency_order_with_known_upstreams():
+    seen: set[str] = set()
+    for s in REGISTRY:
+        assert set(s.upstream) <= seen, f"{s.name} comes before its upstream {s.upstream}"
+        assert s.sections == STAGE_SECTIONS[s.name]
+        seen.add(s.name)
+    assert STAGES == ("curate", "regenerate", "tokenize", "extract", "train", "evaluate")
+    assert needed("evaluate") == list(STAGES) and needed("tokenize") == ["curate", "regenerate", "tokenize"]
+    assert UPSTREAM["evaluate"] == ("curate", "train")
+
+
+def test_an_unknown_stage_is_one_line():
+    with pytest.raises(ConfigError, match="no stage 'filter'; the stages are curate, regenerate"):
+        spec("filter")
+
+
+def test_gpu_slots_follow_the_specs(tiny_cfg):
+    assert [s.name for s in REGISTRY if s.gpu] == ["regenerate", "extract", "train", "evaluate"]
+    tiny_cfg.evaluate.engine = "vllm"
+    tiny_cfg.regenerate.vllm.tensor_parallel_size = 4
+    assert stage_gpus(tiny_cfg, "evaluate") == 4 and stage_gpus(tiny_cfg, "extract") == 1
+    assert stage_gpus(tiny_cfg, "curate") == 1
+
+
+def test_plan_and_the_curate_flow_compute_the_same_inputs_with_token_bounds(tmp_path, tiny_target):
+    """The drift that made `plan` and `status` call a finished curate stage "to run": with token bounds and
+    no `curate.tokenizer`, the stage counts with the target's tokenizer, whose fingerprint is an input."""
+    from draftflow.plan import plan
+    from draftflow.stages import curate
+    from draftflow.stages.common import fingerprint
+    from draftflow.store import Store
+
+    cfg = tiny_config(tmp_path / "run", "curate.max_prompt_tokens=64")
+    inputs = stage_inputs(cfg, "curate", None, {})
+    assert inputs["tokenizer"] == tiny_target.fingerprint
+    fp = fingerprint("curate", cfg, inputs)
+    curate.run(Store(cfg.root), fp, cfg, inputs, curate.token_counter(cfg))  # as the curate flow does
+    states = {s["stage"]: s for s in plan(cfg, tiny_target)}
+    assert states["curate"]["fingerprint"] == fp and states["curate"]["state"] == "complete"
+    assert states["regenerate"]["state"] == "to run"
