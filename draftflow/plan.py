@@ -5,25 +5,31 @@ manifests exist, so `draftflow plan` shows "complete" for reusable stages,
 "to run" for the first stage that would run, and "waits" after it. Also the
 preflight checks every run passes first, and extract's space check (`check_space`).
 
-Sizes come from a stage's own manifest when it is complete ("measured"), else
-from its upstream's size and the config ("estimated", upper bounds): source
-row counts (parquet metadata; JSONL lines in the first MiB scaled by file size)
-capped by `count`/`total_rows`; one assistant turn per conversation, answers of
-`max_new_tokens`, prompts of bytes-per-row / 4 tokens, rows cut at `max_length`.
-Times are a throughput model (`stage_seconds`, `assumptions`): FLOPs or weight
-reads divided by assumed shares of the device's peak. It never loads weights.
+Sizes and times come from `draftflow.estimate` (measured from a complete stage's
+manifest, else estimated from its upstream and the config). It never loads weights.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError, DraftflowError
+from draftflow.estimate import (
+    CHARS_PER_TOKEN,
+    assumptions,
+    feature_bytes,
+    hardware,
+    model_shape,
+    source_estimate,
+    stage_seconds,
+    stage_sizes,
+    target_config,
+    train_tokens,
+)
 from draftflow.stages.common import data_shards, fingerprint, manifest_digest
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
@@ -33,12 +39,6 @@ from draftflow.store import Store
 from draftflow.target import TargetRef, resolve_target
 
 log = logging.getLogger(__name__)
-# Bytes per stored feature element, and what is stored per token beside the features.
-DTYPE_BYTES = {"bfloat16": 2, "float32": 4, "float8": 1}
-FP8_SCALE_BYTES = 4  # float8: one fp32 scale per token and tap
-TOKEN_OVERHEAD_BYTES = 9  # int64 input id + uint8 loss-mask byte per token
-
-
 def preflight(cfg: RunConfig) -> TargetRef:
     """Fail fast, before any work, on unreachable sources, a bad target, its chat template, or bad taps."""
     check_sources(cfg.curate)
@@ -77,16 +77,6 @@ def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
             "earlier turns (e.g. drops their reasoning); use policy auto or per_turn")
 
 
-def target_config(cfg: RunConfig, target: TargetRef):
-    """The target's transformers config (config.json only; no weights are read)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(target.path, revision=cfg.target.revision)
-    except OSError as exc:
-        raise ConfigError(f"cannot load the target config from {target.path}: {exc}".splitlines()[0]) from None
-
-
 def _check_taps(cfg: RunConfig, target: TargetRef) -> None:
     from draftflow.stages.extract import drafter_layer_ids
 
@@ -94,19 +84,6 @@ def _check_taps(cfg: RunConfig, target: TargetRef) -> None:
 
 
 # ----------------------------------------------------------------------------- space
-
-
-def feature_bytes_per_token(cfg: RunConfig, n_taps: int, hidden: int) -> int:
-    """Stored bytes per token: taps x hidden x dtype size (+ fp8 scales) + id and mask."""
-    per = n_taps * hidden * DTYPE_BYTES[cfg.extract.dtype]
-    if cfg.extract.dtype == "float8":
-        per += n_taps * FP8_SCALE_BYTES
-    return per + TOKEN_OVERHEAD_BYTES
-
-
-def feature_bytes(cfg: RunConfig, tokens: int, n_taps: int, hidden: int) -> int:
-    """Bytes the extract stage writes for `tokens` tokens (0 in online mode: nothing is stored)."""
-    return 0 if cfg.extract.mode == "online" else tokens * feature_bytes_per_token(cfg, n_taps, hidden)
 
 
 def free_space(root: str) -> int | None:
@@ -117,11 +94,6 @@ def free_space(root: str) -> int | None:
     while not p.exists() and p != p.parent:
         p = p.parent
     return shutil.disk_usage(p).free
-
-
-def train_tokens(tokenize_manifest: dict[str, Any]) -> int:
-    """Tokens (supervised and context) of the tokenize stage's train sequences: what extract reads."""
-    return sum(int(s["tokens"]) for s in data_shards(tokenize_manifest, "train"))
 
 
 def check_space(cfg: RunConfig, tokenize_manifest: dict[str, Any], target: TargetRef,
@@ -164,213 +136,6 @@ def human_bytes(n: float) -> str:
     while abs(n) >= 1024 and k < len(units) - 1:
         n, k = n / 1024, k + 1
     return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"
-
-
-# ----------------------------------------------------------------------------- sizes
-
-CHARS_PER_TOKEN = 4  # source bytes per row / 4 ~ prompt tokens (BPE on English text)
-HEAD_BYTES = 1 << 20  # JSONL lines are counted in this much of a file, then scaled by its size
-ASSUMED_COMPRESSION = 4.0  # a compressed JSONL file is taken to hold 4x its size of text
-
-
-def _file_rows(path: str) -> tuple[int, int]:
-    """(rows, uncompressed bytes) of one source file: exact for parquet, scaled for JSONL."""
-    import fsspec
-    import pyarrow.parquet as pq
-
-    from draftflow.data.readers import _open_lines
-
-    fs, p = fsspec.core.url_to_fs(path)
-    if path.endswith(".parquet"):
-        with fs.open(p, "rb") as fh:
-            meta = pq.ParquetFile(fh).metadata
-        return meta.num_rows, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
-    with _open_lines(path) as fh:
-        head, more = fh.read(HEAD_BYTES), bool(fh.read(1))
-    lines = head.count(b"\n") + (1 if head and not head.endswith(b"\n") else 0)
-    if not more:
-        return lines, len(head)
-    compressed = path.endswith((".gz", ".zst", ".bz2", ".xz"))
-    total = (fs.size(p) or 0) * (ASSUMED_COMPRESSION if compressed else 1.0)
-    return int(lines * total / max(1, len(head))), int(total)
-
-
-def source_estimate(cfg: RunConfig) -> tuple[int | None, float]:
-    """(rows curate reads at most, bytes per row) from the sources, after `count` and `total_rows`.
-
-    An `hf:` source without `count` has no known size: rows is then None.
-    """
-    from draftflow.data.readers import source_files
-
-    rows, nbytes = 0, 0.0
-    for src in cfg.curate.sources:
-        found = [_file_rows(f) for f in source_files(src)]
-        n, b = sum(r for r, _ in found), float(sum(b for _, b in found))
-        if src.hf is not None and src.count is None:
-            return None, 0.0
-        if src.count is not None and n:
-            b *= min(1.0, src.count / n)
-        rows, nbytes = rows + (src.count if src.hf is not None else min(n, src.count or n)), nbytes + b
-    if cfg.curate.total_rows:
-        rows = min(rows, cfg.curate.total_rows)
-    return rows, nbytes / max(1, rows)
-
-
-def _split_rows(manifest: dict, split: str) -> int:
-    return sum(int(s["rows"]) for s in data_shards(manifest, split))
-
-
-def _measured(stage: str, m: dict[str, Any]) -> dict[str, Any]:
-    tokens = m["extra"].get("tokens", m["tokens"]) if stage == "extract" else m["tokens"]
-    if stage == "train":
-        tokens = m["extra"].get("trained_tokens", tokens)
-    size = {"basis": "measured", "rows": m["rows_out"], "tokens": tokens,
-            "bytes": sum(int(s["bytes"]) for s in m["shards"])}
-    if stage in ("curate", "tokenize"):
-        size["train_rows"] = _split_rows(m, "train")
-        size["train_tokens"] = train_tokens(m) if stage == "tokenize" else None
-        size["eval_rows"] = _split_rows(m, "eval")
-    return size
-
-
-def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, Any]:
-    """A stage's size from its upstream's (measured or estimated) size and the config."""
-    up = sizes.get(UPSTREAM[stage][0]) if UPSTREAM[stage] else None
-    if stage == "curate":
-        rows = ctx["source_rows"]
-        if rows is None:
-            return {"basis": "unknown"}
-        n_eval = int(rows * cfg.curate.eval_fraction)
-        return {"rows": rows, "train_rows": rows - n_eval, "eval_rows": n_eval, "tokens": None}
-    if up is None or up.get("rows") is None:
-        return {"basis": "unknown"}
-    if stage == "regenerate":
-        rows = up["train_rows"]
-        return {"rows": rows, "tokens": rows * cfg.regenerate.max_new_tokens}
-    if stage == "tokenize":
-        per = min(cfg.tokenize.max_length, ctx["prompt_tokens"] + up["tokens"] / max(1, up["rows"]))
-        return {"rows": up["rows"], "train_rows": up["rows"], "tokens": int(up["rows"] * per),
-                "train_tokens": int(up["rows"] * per)}
-    if stage == "extract":
-        tokens = up["train_tokens"]
-        return {"rows": up["train_rows"], "tokens": tokens,
-                "bytes": feature_bytes(cfg, tokens, ctx["taps"], ctx["hidden"])}
-    if stage == "train":
-        passes = _passes(cfg, up["rows"])
-        return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes}
-    prompts = cfg.evaluate.num_prompts or sizes["curate"].get("eval_rows") or 0
-    return {"rows": prompts, "tokens": prompts * cfg.evaluate.max_new_tokens}
-
-
-def _passes(cfg: RunConfig, rows: int) -> float:
-    """Epochs over the data the train stage makes (max_steps may stop it earlier)."""
-    if cfg.train.max_steps is None or rows == 0:
-        return float(cfg.train.epochs)
-    return min(float(cfg.train.epochs), cfg.train.max_steps * cfg.train.batch_size / rows)
-
-
-def stage_sizes(cfg: RunConfig, manifests: dict[str, dict], ctx: dict) -> dict[str, dict[str, Any]]:
-    """Per stage: rows, tokens, bytes and basis ("measured", "estimated" or "unknown")."""
-    sizes: dict[str, dict[str, Any]] = {}
-    for stage in STAGES:
-        if stage in manifests:
-            sizes[stage] = _measured(stage, manifests[stage])
-        else:
-            sizes[stage] = {"basis": "estimated", "bytes": None} | _estimate(stage, cfg, sizes, ctx)
-    return sizes
-
-
-# ----------------------------------------------------------------------------- time
-
-# Peak dense TFLOP/s (bf16; fp32 for cpu) and memory GB/s; matched against the CUDA device name.
-HARDWARE = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L40S": (362.0, 864.0),
-            "A10": (125.0, 600.0), "L4": (121.0, 300.0), "gpu": (312.0, 2039.0), "cpu": (0.1, 20.0)}
-MFU_FORWARD, MFU_TRAIN, DECODE_BW = 0.4, 0.3, 0.6  # shares of peak reached (forward, training, decode bandwidth)
-CPU_ROWS_PER_S = {"curate": 5000.0, "tokenize": 300.0}  # per core
-VLLM_BATCH = 256  # sequences a continuous-batching engine decodes at once
-
-
-def hardware(device: str) -> tuple[str, float, float]:
-    """(name, TFLOP/s, GB/s) for a configured device; DRAFTFLOW_PLAN_HARDWARE (e.g. H100) overrides."""
-    name = os.environ.get("DRAFTFLOW_PLAN_HARDWARE")
-    if name is None and device != "cpu":
-        import torch
-
-        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else (
-            "cpu" if device == "auto" else "gpu (no CUDA here)")
-    name = name or "cpu"
-    key = next((k for k in HARDWARE if k.lower() in name.lower()), "gpu")
-    return name, *HARDWARE[key]
-
-
-def model_shape(cfg: RunConfig, target: TargetRef) -> dict[str, Any]:
-    """Target FLOPs per token, weight bytes, taps and widths, from config.json only."""
-    from draftflow.stages.extract import drafter_layer_ids
-
-    tc = target_config(cfg, target)
-    D, heads = tc.hidden_size, tc.num_attention_heads
-    hd = getattr(tc, "head_dim", None) or D // heads
-    layer = D * hd * 2 * (heads + getattr(tc, "num_key_value_heads", heads)) + 3 * D * tc.intermediate_size
-    head = tc.vocab_size * D
-    params = tc.num_hidden_layers * layer + head * (1 if getattr(tc, "tie_word_embeddings", False) else 2)
-    return {"hidden": D, "taps": len(drafter_layer_ids(cfg, tc.num_hidden_layers)), "layer_params": layer,
-            "head_params": head, "flops_per_token": 2 * (tc.num_hidden_layers * layer + head), "params": params}
-
-
-def _param_bytes(cfg: RunConfig, hw_name: str) -> int:
-    if cfg.target.dtype == "float32" or (cfg.target.dtype == "auto" and hw_name == "cpu"):
-        return 4
-    return 2
-
-
-def stage_seconds(stage: str, cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float | None:
-    """Estimated seconds of one stage on its configured device; None when unknown (e.g. HTTP endpoints)."""
-    if size.get("rows") is None or (stage == "regenerate" and cfg.regenerate.engine == "openai"):
-        return None
-    if stage in CPU_ROWS_PER_S:
-        return size["rows"] / (CPU_ROWS_PER_S[stage] * (os.cpu_count() or 1))
-    device = {"train": cfg.train.device, "evaluate": cfg.evaluate.device}.get(stage, cfg.target.device)
-    name, tflops, gbs = hardware(device)
-    flops, forward = tflops * 1e12, tflops * 1e12 * MFU_FORWARD
-    decode_tps = DECODE_BW * gbs * 1e9 / (shape["params"] * _param_bytes(cfg, name))  # one sequence
-    if stage == "regenerate":
-        batch = VLLM_BATCH if cfg.regenerate.engine == "vllm" else cfg.regenerate.batch_size
-        prefill = size["rows"] * prompt_tokens * shape["flops_per_token"] / forward
-        return prefill + size["tokens"] / min(batch * decode_tps, forward / shape["flops_per_token"])
-    if stage == "extract":
-        return 0.0 if cfg.extract.mode == "online" else size["tokens"] * shape["flops_per_token"] / forward
-    if stage == "train":
-        return _train_flops(cfg, size, shape) / (flops * MFU_TRAIN)
-    return 2 * size["tokens"] / decode_tps  # evaluate: baseline + speculative decoding, batch 1, tau = 1
-
-
-def _train_flops(cfg: RunConfig, size: dict, shape: dict) -> float:
-    """6 x drafter params x (block + context tokens) + 4 x LM head x block tokens, per sequence seen
-    (+ the target's forward per sequence in online mode)."""
-    seqs = size["rows"] * size.get("passes", _passes(cfg, size["rows"]))
-    T = size["tokens"] / max(1.0, seqs)  # mean sequence length
-    Q = min(cfg.train.num_anchors, T) * cfg.drafter.block_size
-    per = 6 * cfg.drafter.num_layers * shape["layer_params"] * (Q + T) + 4 * shape["head_params"] * Q
-    if cfg.extract.mode == "online":
-        per += shape["flops_per_token"] * T
-    return per * seqs
-
-
-def assumptions() -> list[str]:
-    """The time model in words (printed by `draftflow plan`)."""
-    hw = ", ".join(f"{k} {t:g} TFLOP/s {b:g} GB/s" for k, (t, b) in HARDWARE.items())
-    return [
-        f"hardware peaks: {hw}; DRAFTFLOW_PLAN_HARDWARE=<name> plans for another device",
-        f"curate {CPU_ROWS_PER_S['curate']:g} and tokenize {CPU_ROWS_PER_S['tokenize']:g} rows/s per core",
-        f"forward passes (prefill, extract) at {MFU_FORWARD:.0%} of peak FLOP/s: 2 x params FLOPs per token",
-        f"decoding at {DECODE_BW:.0%} of memory bandwidth per weight read, x batch (vllm: {VLLM_BATCH}), "
-        "capped by compute; openai endpoints: unknown",
-        f"training at {MFU_TRAIN:.0%} of peak: 6 x drafter params x (anchors x block + context) "
-        "+ 4 x LM head x block tokens per sequence (+ the target's forward when extract.mode=online)",
-        "evaluate: baseline and speculative decoding at batch 1, each token a full weight read (tau = 1)",
-        f"sizes without a manifest are upper bounds: source rows before filters, prompt = bytes/row / "
-        f"{CHARS_PER_TOKEN}, every answer max_new_tokens long, one sequence per conversation",
-    ]
 
 
 # ----------------------------------------------------------------------------- plan

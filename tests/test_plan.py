@@ -8,15 +8,8 @@ from collections import namedtuple
 import pytest
 
 from draftflow.errors import DraftflowError
-from draftflow.plan import (
-    check_space,
-    environment,
-    feature_bytes_per_token,
-    free_space,
-    plan,
-    preflight,
-    stage_sizes,
-)
+from draftflow.estimate import feature_bytes_per_token, stage_sizes
+from draftflow.plan import check_space, environment, free_space, plan, preflight
 from tests.conftest import tiny_config
 
 # The tiny target: hidden 64, 8 layers; tests.conftest's tiny config taps 3 of them.
