@@ -12,7 +12,7 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-vllm lint server clean
+.PHONY: demo test test-fast test-slow test-vllm lint server clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -38,8 +38,18 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 demo: $(STAMP)
 	$(BIN)/draftflow run configs/tiny.yaml
 
+# The full suite (vLLM's tests are their own leg).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm"
+
+# The default while developing (under 2 min on 2 cores): leaves out the tests tests/conftest.py marks slow
+# (whole pipelines, Prefect flows and their server, spawned processes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+
+# The rest of `make test`: test-fast + test-slow = test (CI runs them in that order to fail fast).
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm and slow"
 
 # Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
 test-vllm: $(VSTAMP)

@@ -10,6 +10,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,45 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# The slow tier, marked here rather than in each module (`make test-fast` = -m "not vllm and not slow",
+# under 2 min on 2 cores; `make test` runs everything). Slow: whole pipelines and Prefect flows, the Prefect
+# server and the session harness (20-35 s to start), spawned processes (torchrun, gloo ranks, Ray, worker
+# pools, SIGKILLed runs, CLI runs that import the flows), anything over ~2 s. fnmatch patterns on node ids.
+SLOW = [
+    "tests/test_pipeline.py::*",  # the whole pipeline, kill and resume (harness)
+    "tests/test_eagle3_pipeline.py::*",  # the EAGLE-3 pipeline (harness)
+    "tests/test_s3_run.py::*",  # the whole pipeline on a moto S3 bucket (harness)
+    "tests/test_curate_flow.py::*",  # the curate flow (harness)
+    "tests/test_server.py::*",  # its own `prefect server start`, CLI runs, process workers (~2 min)
+    "tests/test_benchmarks.py::*",  # each benchmark in a subprocess (1-5 s each)
+    "tests/test_regenerate_resume.py::*",  # SIGKILL mid-shard then rerun, subprocesses
+    "tests/test_extract_resume.py::test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run",
+    "tests/test_ray.py::test_gpu_tasks_ask_ray_for_gpus_and_workers_import_the_repo_with_one_torch_thread",
+    "tests/test_ray.py::test_thread_runner_stays_in_the_flow_process",  # harness
+    "tests/test_ray.py::test_pipeline_on_ray_writes_the_same_manifests_as_on_threads",
+    "tests/test_launch.py::test_torchrun_stage_equals_in_process_training",
+    "tests/test_launch.py::test_a_rank_crash_is_one_line_with_the_exit_code_and_log_and_no_manifest",
+    "tests/test_launch.py::test_a_user_error_in_a_rank_is_a_draftflow_error",
+    "tests/test_launch.py::test_timeout_kills_the_ranks",
+    "tests/test_distributed.py::test_two_gloo_ranks_equal_one_process",
+    "tests/test_distributed.py::test_fsdp_equals_one_process_and_checkpoints_resume_across_modes",  # ~9 s
+    "tests/test_tokenize_stage.py::test_worker_processes_give_the_same_rows_as_one_process",  # ~8 s
+    "tests/test_layering.py::test_importing_every_library_module_leaves_prefect_unloaded",  # fresh interpreter, ~5 s
+    "tests/test_cli.py::test_a_source_with_only_bad_rows_stops_at_curate_with_one_clear_line",  # a real run, ~18 s
+    "tests/test_cli.py::test_s3_root_without_credentials_is_one_line",  # CLI subprocesses, 3.5-4 s each
+    "tests/test_cli.py::test_status_of_a_config_before_any_run_lists_every_stage",
+    "tests/test_cli.py::test_plan_lists_every_stage",
+    "tests/test_cli.py::test_layer_id_out_of_range_is_a_config_error",
+]
+# Whatever needs these fixtures is slow too, listed or not: the fast tier never starts Prefect's harness or Ray.
+SLOW_FIXTURES = {"prefect_harness", "ray_instance"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or any(fnmatch(item.nodeid, p) for p in SLOW):
+            item.add_marker(pytest.mark.slow)
 
 TINY_OVERRIDES = [
     "regenerate.max_new_tokens=24",
