@@ -8,7 +8,6 @@ the library and publishes a count table.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,13 @@ from prefect.futures import as_completed
 
 from draftflow import progress
 from draftflow.config import RunConfig
+from draftflow.report import location_uri
 from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
 from flows.deploy import gpu_slot
-
-
-def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+from flows.keys import artifact_key
+from flows.progress import track
 
 
 def with_storage(task_fn, store: Store):
@@ -73,8 +70,6 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
 
     Freshly computed shards are not re-checked: their task just hashed what it wrote.
     """
-    from flows.progress import track  # flows.progress imports this module
-
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
     with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
@@ -127,41 +122,11 @@ def publish_counts(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
                           m["rows_in"], m["rows_out"], m["dropped"] or "nothing", result["path"])
 
 
-def _uri(location: str) -> str:
-    """A link the UI can open: URLs as they are, local paths as file:// URIs."""
-    return location if "://" in location else Path(location).resolve().as_uri()
-
-
 def publish_links(cfg: RunConfig, links: dict[str, str]) -> None:
     """One link artifact per named output (`<run>-checkpoint`, `<run>-report`)."""
     for what, location in links.items():
-        create_link_artifact(link=_uri(location), link_text=location, key=artifact_key(cfg.name, what),
+        create_link_artifact(link=location_uri(location), link_text=location, key=artifact_key(cfg.name, what),
                              description=f"{cfg.name}: {what}")
-
-
-PLOT_MAX_BYTES = 512 << 10  # bigger plots are linked, not inlined
-
-
-def plots_markdown(stage_paths: list[str]) -> str:
-    """The stages' PNG plots inlined as data URIs (the UI cannot read the run folder), else linked."""
-    import base64
-
-    import fsspec
-
-    parts = []
-    for path in stage_paths:
-        fs, root = fsspec.core.url_to_fs(path)
-        for png in sorted(fs.glob(f"{root}/**/*.png")):
-            title = png[len(root):].lstrip("/")
-            if "work" in Path(title).parts:  # train's resume folder keeps its own copies
-                continue
-            stage = Path(root).parent.name
-            if fs.size(png) > PLOT_MAX_BYTES:
-                parts.append(f"- {stage} `{title}`: {_uri(png if '://' not in path else fs.unstrip_protocol(png))}")
-                continue
-            data = base64.b64encode(fs.cat_file(png)).decode()
-            parts.append(f"### {stage}: {title}\n\n![{title}](data:image/png;base64,{data})\n")
-    return "\n".join(parts)
 
 
 def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, Any]], description: str) -> None:

@@ -11,10 +11,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
+from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
 from draftflow.stages.registry import REGISTRY, needed, spec, stage_gpus
-from flows.common import artifact_key, plots_markdown, publish_links
+from flows.common import publish_links
 from flows.deploy import gpu_slot
+from flows.keys import artifact_key
 from flows.progress import install as report_progress
 from flows.stages import curate_flow, evaluate_flow, extract_flow, regenerate_flow, tokenize_flow, train_flow
 from tasks.stage_tasks import prepare_target

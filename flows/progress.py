@@ -16,7 +16,7 @@ from prefect.context import FlowRunContext, TaskRunContext
 
 from draftflow import progress
 from draftflow.progress import Progress
-from flows.common import artifact_key
+from flows.keys import artifact_key
 
 INTERVAL = 2.0  # seconds between updates of one stage's artifact: a few API calls a minute per stage
 _lock = threading.Lock()

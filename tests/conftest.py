@@ -192,7 +192,7 @@ def s3_env():
 
 def preempt_training(monkeypatch, at: int) -> Callable[[], None]:
     """Make `train_drafter` die ("preempted") in its `at`-th optimizer step call; returns the undo."""
-    import draftflow.train as train_mod
+    import draftflow.training.loop as train_mod
 
     real_step, calls = train_mod._train_step, []
 

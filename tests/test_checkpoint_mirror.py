@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.stages.train import MIRROR_DONE, pull_checkpoint, push_checkpoint
 from draftflow.store import Store
-from draftflow.train import latest_checkpoint, train_drafter
+from draftflow.training.checkpoint import latest_checkpoint
+from draftflow.training.loop import train_drafter
+from draftflow.training.mirror import MIRROR_DONE, pull_checkpoint, push_checkpoint
 from tests.conftest import preempt_training
 from tests.test_train import samples, tcfg, weights  # noqa: F401  (the samples fixture)
 

@@ -64,8 +64,9 @@ def test_real_stages_see_their_own_code_and_not_the_trainer():
     curate = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.curate")}
     train = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.train")}
     assert {"data/filters.py", "data/dedup.py", "stages/curate.py"} <= curate
-    assert not any(p.startswith("models/") for p in curate) and "train.py" not in curate
-    assert {"train.py", "models/dflash.py", "batches.py", "stages/train.py"} <= train
+    assert not any(p.startswith(("models/", "training/")) for p in curate)
+    assert {"training/loop.py", "training/job.py", "training/batches.py", "models/dflash.py",
+            "stages/train.py"} <= train
 
 
 def test_library_imports_no_module_by_computed_name():

@@ -12,13 +12,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-import draftflow.train as train_mod
+import draftflow.training.loop as train_mod
 from draftflow.config import DrafterConfig, TrainConfig
-from draftflow.distributed import DistEnv, torchrun_command
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig
-from draftflow.train import train_drafter
+from draftflow.training.distributed import DistEnv, torchrun_command
+from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID
 
 

@@ -15,7 +15,6 @@ import torch
 from safetensors.torch import load_file
 
 import draftflow.models.eagle3 as e3
-from draftflow.batches import make_eagle3_batch
 from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.errors import ConfigError
@@ -24,7 +23,10 @@ from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.stages.tokenize import draft_vocab
-from draftflow.train import eagle3_loss, latest_checkpoint, train_drafter
+from draftflow.training.batches import make_eagle3_batch
+from draftflow.training.checkpoint import latest_checkpoint
+from draftflow.training.loop import train_drafter
+from draftflow.training.objectives import eagle3_loss
 from tests.conftest import preempt_training
 
 TAPS = [1, 2, 3]  # the 6-layer test target is too shallow for the default taps

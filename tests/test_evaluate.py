@@ -18,7 +18,8 @@ from draftflow.evaluate import (
 )
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
-from draftflow.train import make_block_batch, train_drafter
+from draftflow.training.batches import make_block_batch
+from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B
 
 

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.launch import TrainingCrashed, use_torchrun
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
 from draftflow.stages.common import finalize
 from draftflow.store import Store
+from draftflow.training.launch import TrainingCrashed, use_torchrun
 from tests.conftest import run_front, tiny_config
 
 TRAIN = ["train.max_steps=4", "train.batch_size=3", "train.checkpoint_every=2", "train.num_anchors=8"]
@@ -109,7 +109,7 @@ def test_the_failing_rank_is_the_one_reported_not_its_peers(tmp_path):
     import json
 
     from draftflow.config import TrainConfig
-    from draftflow.launch import _failure
+    from draftflow.training.launch import _failure
 
     def errors(*rows):
         for f in tmp_path.glob("error-rank*.json"):

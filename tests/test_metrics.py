@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from draftflow.metrics import loss_history, metrics_table, moving_average, write_metrics
+from draftflow.training.metrics import loss_history, metrics_table, moving_average, write_metrics
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -18,7 +18,7 @@ HISTORY = [5.0, None, 3.0, 2.0]
 
 
 def fake_checkpoint(out_dir, history):
-    """What draftflow.checkpoint.save_checkpoint leaves: step_N/state.pt with the loop state."""
+    """What draftflow.training.checkpoint.save_checkpoint leaves: step_N/state.pt with the loop state."""
     folder = out_dir / "checkpoints" / f"step_{len(history):08d}"
     folder.mkdir(parents=True)
     torch.save({"loop": {"step": len(history), "history": history}}, folder / "state.pt")

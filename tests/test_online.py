@@ -12,6 +12,7 @@ from draftflow.plan import preflight
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
 from draftflow.stages.common import fingerprint, manifest_digest
+from draftflow.training.job import OnlineSamples
 from tests.conftest import run_front, tiny_config
 
 
@@ -48,7 +49,7 @@ def test_online_tensors_equal_the_stored_ones_for_the_same_batch(front, tiny_tar
     stored = FeatureShard(store.stage_path("extract", f"ex-{dtype}", res["shard"]["name"]))
     ocfg = tiny_config(cfg.root, "extract.mode=online", f"extract.dtype={dtype}")
     path = store.verify_sha("tokenize", "tokfp", tok)
-    online = train_stage.OnlineSamples.from_parquet([path], tiny_target, ocfg, stored.layer_ids)
+    online = OnlineSamples.from_parquet([path], tiny_target, ocfg, stored.layer_ids)
     assert online.sample_ids == stored.sample_ids and len(online) == len(stored)
     # The whole shard in one take: the same length-sorted batches extract ran.
     for got in online.take(list(range(len(online)))):

@@ -12,19 +12,17 @@ from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluate import capture_taps
 from draftflow.features import FeatureSample
-from draftflow.train import (
+from draftflow.training.batches import (
     IGNORE,
     build_training_batch,
-    default_gamma,
-    dflash_loss,
-    latest_checkpoint,
     make_block_batch,
     select_anchors,
-    slot_weights,
     step_indices,
-    train_drafter,
     warmup_cosine,
 )
+from draftflow.training.checkpoint import latest_checkpoint
+from draftflow.training.loop import train_drafter
+from draftflow.training.objectives import default_gamma, dflash_loss, slot_weights
 from tests.conftest import MASK_ID, B, preempt_training
 
 
@@ -220,7 +218,7 @@ def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, sampl
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, target, samples, dcfg):
-    import draftflow.objectives as objectives
+    import draftflow.training.objectives as objectives
 
     real_loss, calls = objectives.dflash_loss, []
 

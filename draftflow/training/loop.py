@@ -11,12 +11,12 @@ Per sequence (DFlash paper, arXiv 2602.06036, section on training):
 
 What it does not know: where features come from (already-loaded
 `FeatureSample`s) or Prefect. Under torchrun each rank trains on its share of every
-step's global batch (`draftflow.distributed`); checkpoints are local folders, rank 0's.
+step's global batch (`draftflow.training.distributed`); checkpoints are local folders, rank 0's.
 
 EAGLE-3 (`drafter.kind: eagle3`, arXiv 2503.01840): the training-time-test unroll of
 `draftflow.models.eagle3` (alignment and mask are written down there); step i's soft cross
 entropy against the target's distribution over the draft vocabulary is weighted
-`ttt_decay ** i`. A drafter kind is an *objective* (`draftflow.objectives`: `DFlashObjective`,
+`ttt_decay ** i`. A drafter kind is an *objective* (`draftflow.training.objectives`: `DFlashObjective`,
 `Eagle3Objective`): how a sequence becomes a batch, its loss weight (known before any
 forward pass), and forward + loss; the loop here is shared.
 
@@ -41,23 +41,15 @@ from typing import Any
 import torch
 
 from draftflow import progress
-from draftflow.batches import (  # noqa: F401  (re-exported: the batch API lives in draftflow.batches)
-    BUCKET_BATCHES,
-    IGNORE,
-    BlockBatch,
-    Eagle3Batch,
-    anchor_generator,
-    build_training_batch,
-    make_block_batch,
-    make_eagle3_batch,
-    select_anchors,
-    step_indices,
-    total_steps,
-    warmup_cosine,
-)
-from draftflow.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
 from draftflow.config import TrainConfig
-from draftflow.distributed import (
+from draftflow.errors import ConfigError, DraftflowError
+from draftflow.features import FeatureSample
+from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.target import resolve_device
+from draftflow.training.batches import step_indices, total_steps, warmup_cosine
+from draftflow.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
+from draftflow.training.distributed import (
     DistEnv,
     all_reduce_sum,
     clip_gradients,
@@ -65,23 +57,7 @@ from draftflow.distributed import (
     prepare_model,
     sync_gradients,
 )
-from draftflow.errors import ConfigError, DraftflowError
-from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
-from draftflow.objectives import (  # noqa: F401  (re-exported: losses and objectives live in draftflow.objectives)
-    PAPER_GAMMA,
-    DFlashObjective,
-    Eagle3Objective,
-    LossStats,
-    build_drafter,
-    default_gamma,
-    dflash_loss,
-    eagle3_loss,
-    make_objective,
-    slot_weights,
-)
-from draftflow.target import resolve_device
+from draftflow.training.objectives import DFlashObjective, Eagle3Objective, LossStats, build_drafter, make_objective
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +168,7 @@ def _run_meta(samples: list[FeatureSample], dcfg, tcfg: TrainConfig, draft_vocab
 
 
 def _sample_ids(samples) -> list[str]:
-    # An online source (draftflow.stages.train.OnlineSamples) knows its ids without computing features.
+    # An online source (draftflow.training.job.OnlineSamples) knows its ids without computing features.
     return list(samples.sample_ids) if hasattr(samples, "sample_ids") else [s.sample_id for s in samples]
 
 

@@ -4,7 +4,7 @@ DFlash (arXiv 2602.06036): random anchored blocks; slot k of a block predicts to
 its cross entropy is weighted exp(-(k-1)/gamma). EAGLE-3 (arXiv 2503.01840): the training-time-test
 unroll of `draftflow.models.eagle3`, step i's soft cross entropy against the target's distribution
 over the draft vocabulary weighted `ttt_decay ** i`. Both return `LossStats` (weighted sum, the
-weight, per-slot accuracy, leading correct slots), so the loop in `draftflow.train` is shared.
+weight, per-slot accuracy, leading correct slots), so the loop in `draftflow.training.loop` is shared.
 
 What it does not know: optimizers, ranks, checkpoints or where features come from.
 """
@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from draftflow.batches import (
+from draftflow.config import TrainConfig
+from draftflow.errors import ConfigError
+from draftflow.features import FeatureSample
+from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.training.batches import (
     IGNORE,
     BlockBatch,
     Eagle3Batch,
@@ -24,11 +29,6 @@ from draftflow.batches import (
     build_training_batch,
     make_eagle3_batch,
 )
-from draftflow.config import TrainConfig
-from draftflow.errors import ConfigError
-from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from draftflow.distributed import DistEnv, is_fsdp
 from draftflow.errors import ConfigError
 from draftflow.models.dflash import write_weights_and_config
+from draftflow.training.distributed import DistEnv, is_fsdp
 
 CKPT_DIR = "checkpoints"
 KEEP_CHECKPOINTS = 2

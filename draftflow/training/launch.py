@@ -2,9 +2,9 @@
 
 The train stage writes a spec (JSON, atomically) into `<work>/launch/` and runs
 
-    python -m torch.distributed.run --nproc-per-node=N ... -m draftflow.launch <work>/launch/spec.json
+    python -m torch.distributed.run --nproc-per-node=N ... -m draftflow.training.launch <work>/launch/spec.json
 
-Each rank loads the target and the samples itself (`draftflow.stages.train.train_here`, the
+Each rank loads the target and the samples itself (`draftflow.training.job.train_here`, the
 same function the in-process path runs), trains its share of every step, and rank 0 writes
 the checkpoints, the final drafter and `launch/result.json` (metrics, counts, the target's
 config). The parent streams the children's output into `launch/torchrun.log` and its logger,
@@ -18,7 +18,8 @@ When (`use_torchrun`): `train.launcher=torchrun` always; `auto` when training ne
 one process or runs on CUDA (its own process gives a hard timeout, `train.timeout_s`, and
 returns all GPU memory when it exits); otherwise in-process (CPU, one process: tests, demo).
 
-What it does not know: Prefect, stages (the child imports the train stage lazily), the model.
+What it does not know: Prefect, stages (the spec is what the train stage passes; the child runs
+`draftflow.training.job`, imported lazily so the parent does not load it), the model.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import TrainConfig
-from draftflow.distributed import torchrun_command
 from draftflow.errors import ConfigError, DraftflowError
+from draftflow.training.distributed import torchrun_command
 
 log = logging.getLogger(__name__)
 LAUNCH_DIR = "launch"
@@ -85,7 +86,7 @@ def launch_training(spec: dict[str, Any], tcfg: TrainConfig, work: str) -> dict[
     for stale in [folder / "result.json", *folder.glob("error-rank*.json")]:
         stale.unlink(missing_ok=True)  # only this attempt's files may speak for it
     spec_path = _write_json_atomic(folder / "spec.json", spec)
-    cmd = torchrun_command(tcfg, "draftflow.launch", [str(spec_path)])
+    cmd = torchrun_command(tcfg, "draftflow.training.launch", [str(spec_path)])
     if tcfg.nnodes > 1:
         log.info("multi-node training: run on every other node, with %s reachable there: %s", work, " ".join(cmd))
     log_path = folder / "torchrun.log"
@@ -181,13 +182,13 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of one rank: `python -m draftflow.launch <spec.json>` under torchrun."""
+    """Entry point of one rank: `python -m draftflow.training.launch <spec.json>` under torchrun."""
     args = sys.argv[1:] if argv is None else argv
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s")
     if len(args) != 1:
-        log.error("usage: python -m draftflow.launch <spec.json> (run by the train stage under torchrun)")
+        log.error("usage: python -m draftflow.training.launch <spec.json> (run by the train stage under torchrun)")
         return 2
     spec_path = Path(args[0])
     try:
@@ -209,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_rank(spec: dict[str, Any], folder: Path, rank: int) -> None:
     from draftflow.config import RunConfig
-    from draftflow.stages.train import train_here
     from draftflow.store import Store
     from draftflow.target import TargetRef
+    from draftflow.training.job import train_here
 
     cfg = _bind_device(RunConfig.model_validate(spec["config"]))
     trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), spec["features"], spec["out_dir"],

@@ -1,7 +1,7 @@
 """Training metrics written at the end of a run: TensorBoard events, a JSON summary, PNG curves.
 
 Inputs are what training already produces: the final metrics dict of
-`draftflow.train.train_drafter` (loss, accuracy per slot k = 1..B-1, tau_est, any
+`draftflow.training.loop.train_drafter` (loss, accuracy per slot k = 1..B-1, tau_est, any
 throughput numbers) and the per-step loss history that the training loop keeps in
 its checkpoint state (`checkpoints/step_*/state.pt`, key `loop.history`). Per-step
 accuracy is not kept by the loop (only a window of recent steps), so accuracy is
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from draftflow.checkpoint import latest_checkpoint
+from draftflow.training.checkpoint import latest_checkpoint
 
 logger = logging.getLogger(__name__)
 

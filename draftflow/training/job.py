@@ -1,0 +1,177 @@
+"""One training run from the train stage's inputs: the target, the drafter config, the samples; then the loop.
+
+`train_here` is what the train stage runs in its own process and what every torchrun rank runs
+(`draftflow.training.launch`): each rank loads the target and its samples itself, so this module,
+not the stage, is the rank's entry into training. It reads the stage's inputs as the stage passes
+them (the extract manifest, or tokenize rows in online mode; EAGLE-3's token counts), verified
+through the store, and copies checkpoints to the store on remote roots (`draftflow.training.mirror`).
+
+What it does not know: Prefect, where the run's outputs are committed (the stage does that, with
+the manifest, after training), torchrun (`draftflow.training.launch`). Trade-off: ranks resolve
+their inputs themselves (each checksum-verifies what it reads) rather than receive resolved
+paths, so one function serves both the in-process path and every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from draftflow.config import RunConfig
+from draftflow.errors import ConfigError
+from draftflow.features import STORED, FeatureSample, load_samples, round_trip
+from draftflow.models.dflash import DFlashConfig
+from draftflow.models.eagle3 import Eagle3Config
+from draftflow.stages.common import data_shards
+from draftflow.store import Store
+from draftflow.target import TargetRef, load_target
+from draftflow.training.mirror import push_checkpoint
+
+
+def mask_token_id(tokenizer) -> int:
+    """The tokenizer's mask token, else `len(tokenizer)` (DFlash; Qwen3 gives 151669)."""
+    return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
+
+
+def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: list[dict[str, Any]]) -> None:
+    """The drafter's taps (EAGLE-3: and the final state, id -1) must be the ones the features were extracted at."""
+    for s in shards:
+        if list(s["layer_ids"]) != dcfg.feature_ids:
+            raise ConfigError(
+                f"feature shard {s['name']} holds taps {s['layer_ids']} but the drafter wants "
+                f"{dcfg.feature_ids}; re-run extract with the same drafter.kind and drafter.target_layer_ids"
+            )
+
+
+def token_counts(store: Store, features: dict[str, Any]) -> str:
+    """Local, checksum-verified path of `token_freq.parquet` of the tokenize stage the features came from.
+
+    Raises:
+        ConfigError: the extract manifest does not name its tokenize stage, or that stage has no counts.
+    """
+    m = features["manifest"]
+    if m["extra"].get("mode") == "online":
+        fps = {m["extra"]["tokenize"]["fingerprint"]}
+    else:
+        fps = {s.get("tokenize_fingerprint") for s in data_shards(m, "train")}
+    tm = store.read_manifest("tokenize", next(iter(fps))) if len(fps) == 1 and None not in fps else None
+    entry = next((e for e in (tm or {}).get("shards", []) if e.get("kind") == "freq"), None)
+    if entry is None:
+        raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's token_freq.parquet, but the features "
+                          f"name tokenize stage(s) {sorted(map(str, fps))} without one; re-run tokenize and extract")
+    return store.verify_sha("tokenize", next(iter(fps)), entry)
+
+
+def draft_vocab(store: Store, features: dict[str, Any], size: int,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d): the `size` most frequent supervised tokens counted by tokenize, for a target
+    vocabulary of `vocab_size`. Chosen here, not in tokenize, so `drafter.draft_vocab_size` is a
+    train setting: changing it re-runs training only, never extract."""
+    from collections import Counter
+
+    from draftflow.data.schema import read_rows
+    from draftflow.stages.tokenize import draft_vocab as top_tokens
+
+    counts = Counter({r["token_id"]: r["count"] for r in read_rows(token_counts(store, features))})
+    d2t, t2d = top_tokens(counts, vocab_size, size)
+    return torch.tensor(d2t, dtype=torch.int64), torch.tensor(t2d, dtype=torch.bool)
+
+
+def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
+    """(the drafter config of `drafter.kind`, the draft vocabulary for EAGLE-3 else None)."""
+    if cfg.drafter.kind == "eagle3":
+        d2t, t2d = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
+        return Eagle3Config.from_target(model.config, cfg.drafter, d2t.numel()), (d2t, t2d)
+    return DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer)), None
+
+
+@dataclass
+class Trained:
+    """What the stage needs from a finished training run."""
+
+    metrics: dict[str, Any]
+    target_config: Any  # the target's HF config, as loaded for training (exports read it)
+    rows: int  # training sequences
+    tokens: int  # their tokens
+
+
+def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any], out: str,
+               mirror: str | None = None) -> Trained:
+    """Load the target, the drafter config and the samples, and train in this process.
+
+    The in-process path, and what each torchrun rank runs (`draftflow.training.launch`). With
+    `mirror` (remote roots), every checkpoint is also copied there (`push_checkpoint`).
+    """
+    from draftflow.training.loop import train_drafter
+
+    model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
+    dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
+    samples, tokens = training_samples(store, cfg, target, dcfg, features)
+    push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
+    metrics = train_drafter(samples, model, dcfg, cfg.train, out, draft_vocab=vocab, on_checkpoint=push)
+    return Trained(metrics, model.config, len(samples), tokens)
+
+
+def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig | Eagle3Config,
+                     features: dict[str, Any]) -> tuple[Any, int]:
+    """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
+    m = features["manifest"]
+    if m["extra"].get("mode") == "online":
+        tok = m["extra"]["tokenize"]
+        paths = [store.verify_sha("tokenize", tok["fingerprint"], s) for s in tok["shards"]]
+        samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.feature_ids)
+        return samples, samples.tokens
+    shards = data_shards(m, "train")
+    check_taps(dcfg, shards)
+    samples = load_samples([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    return samples, sum(int(s.input_ids.numel()) for s in samples)
+
+
+class OnlineSamples:
+    """Training sequences whose features are computed per step by the co-located target.
+
+    Holds the tokenize rows as Arrow columns (ids and masks, no features). `take`
+    runs extract's capture engine over one step's sequences and rounds the result
+    through the storage format, so it returns what `FeatureShard.get` would.
+    """
+
+    def __init__(self, table: pa.Table, engine, dtype: str, batch_size: int):
+        self.table, self.engine, self.dtype, self.batch_size = table, engine, dtype, batch_size
+        self.sample_ids = [f"{s}:{r}" for s, r in zip(table["sample_id"].to_pylist(), table["row"].to_pylist())]
+        self.tokens = int(pc.sum(pc.list_value_length(table["input_ids"])).as_py() or 0)
+
+    @classmethod
+    def from_parquet(cls, paths: list[str], target: TargetRef, cfg: RunConfig, layer_ids: list[int]) -> OnlineSamples:
+        from draftflow.capture import make_capture_engine
+
+        cols = ["sample_id", "row", "input_ids", "loss_mask"]
+        table = pa.concat_tables([pq.read_table(p, columns=cols) for p in paths])
+        engine = make_capture_engine("hf", target.path, list(layer_ids), cfg.target.dtype, cfg.target.device)
+        return cls(table, engine, cfg.extract.dtype, cfg.extract.batch_size)
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def __getitem__(self, i: int) -> FeatureSample:
+        return self.take([i])[0]
+
+    def take(self, indices: list[int]) -> list[FeatureSample]:
+        """The samples at `indices`, features captured in length-sorted batches of `extract.batch_size`."""
+        from draftflow.capture import capture_in_batches
+
+        rows = self.table.take(pa.array(indices, type=pa.int64())).to_pylist()
+        feats, self.batch_size = capture_in_batches(self.engine, [r["input_ids"] for r in rows], self.batch_size)
+        return [FeatureSample(self.sample_ids[i], torch.tensor(r["input_ids"], dtype=torch.int64),
+                              torch.tensor(r["loss_mask"], dtype=torch.bool), as_stored(f, self.dtype))
+                for i, r, f in zip(indices, rows, feats)]
+
+
+def as_stored(feats: torch.Tensor, dtype: str) -> torch.Tensor:
+    """(T, n_taps, D) features as a reader of an `extract.dtype` shard gets them (fp8: dequantized bf16)."""
+    reader = torch.bfloat16 if dtype == "float8" else STORED[dtype]
+    return round_trip(feats, dtype, feats.shape[1]).to(reader)

@@ -1,0 +1,124 @@
+"""Imports form no circles: the import graph of draftflow, flows and tasks is acyclic.
+
+Every `import` and `from ... import` statement counts, at module level or inside a function
+(a function-level import only hides a circle until that function runs). A name is resolved
+to the project module that defines it: `from a.b import c` is an edge to `a.b.c` when that is
+a module, else to `a.b`. Importing `a.b` also runs `a/__init__`, but that implicit edge is
+left out: a package `__init__` that gathers its submodules' names (`draftflow.chat`) would
+otherwise count as a circle with each of them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("draftflow", "flows", "tasks")
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """{module: the project modules it imports}, for every module of `packages` under `root`."""
+    files = {_module_name(root, p): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:  # relative: anchor at this package, one level up per extra dot
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in files else base)
+        graph[name] = {_owner(t, files) for t in targets if _owner(t, files)} - {None}
+    return graph
+
+
+def _owner(target: str, files: dict) -> str | None:
+    """The longest project module that `target` names (`a.b.C` -> `a.b`), or None."""
+    parts = target.split(".")
+    for i in range(len(parts), 0, -1):
+        if ".".join(parts[:i]) in files:
+            return ".".join(parts[:i])
+    return None
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Modules reachable from `start` by one or more edges (`start` itself only through a cycle)."""
+    seen: set[str] = set()
+    todo = list(graph.get(start, ()))
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo.extend(graph.get(v, ()))
+    return seen
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a -> ... -> a) per strongly connected component that has one.
+
+    Quadratic (a reachability set per module), which is nothing for ~100 modules and easy to check.
+    """
+    reach = {v: _reach(graph, v) for v in graph}
+    done: set[str] = set()
+    found = []
+    for v in sorted(graph):
+        if v in done or v not in reach[v]:
+            continue
+        component = {w for w in reach[v] if v in reach[w]}  # holds v: v reaches itself
+        done |= component
+        found.append(_cycle_in(graph, component))
+    return found
+
+
+def _cycle_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """A shortest cycle through the component's first module, staying inside the component."""
+    start = min(comp)
+    paths = {start: [start]}
+    todo = [start]
+    while todo:
+        v = todo.pop(0)
+        for w in sorted(graph[v] & comp):
+            if w == start:
+                return paths[v] + [start]
+            if w not in paths:
+                paths[w] = paths[v] + [w]
+                todo.append(w)
+    raise AssertionError(f"no cycle in component {comp}")
+
+
+def test_the_import_graph_has_no_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
+
+
+def test_the_cycle_finder_finds_function_level_and_relative_cycles(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from pkg import b\n",
+        "b.py": "def f():\n    from .sub.c import g\n",  # function-level, relative
+        "sub/__init__.py": "",
+        "sub/c.py": "import pkg.a\n",
+        "d.py": "from pkg.a import x\n",  # into the cycle, not part of it
+    }
+    for rel, text in files.items():
+        (pkg / rel).write_text(text)
+    graph = import_graph(tmp_path, ("pkg",))
+    assert graph["pkg.b"] == {"pkg.sub.c"} and graph["pkg.d"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
+    (pkg / "sub/c.py").write_text("import os\nimport pkg\n")  # the package itself, no module of the cycle
+    assert cycles(import_graph(tmp_path, ("pkg",))) == []
