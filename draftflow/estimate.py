@@ -19,7 +19,7 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
 from draftflow.stages.common import data_shards
-from draftflow.stages.registry import STAGES, UPSTREAM
+from draftflow.stages.registry import stage_names, upstream_of
 from draftflow.target import TargetRef
 
 # Bytes per stored feature element, and what is stored per token beside the features.
@@ -126,7 +126,7 @@ def _measured(stage: str, m: dict[str, Any]) -> dict[str, Any]:
 
 def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, Any]:
     """A stage's size from its upstream's (measured or estimated) size and the config."""
-    up = sizes.get(UPSTREAM[stage][0]) if UPSTREAM[stage] else None
+    up = sizes.get(upstream_of(stage)[0]) if upstream_of(stage) else None
     if stage == "curate":
         rows = ctx["source_rows"]
         if rows is None:
@@ -149,8 +149,10 @@ def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, A
     if stage == "train":
         passes = _passes(cfg, up["rows"])
         return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes}
-    prompts = cfg.evaluate.num_prompts or sizes["curate"].get("eval_rows") or 0
-    return {"rows": prompts, "tokens": prompts * cfg.evaluate.max_new_tokens}
+    if stage == "evaluate":
+        prompts = cfg.evaluate.num_prompts or sizes["curate"].get("eval_rows") or 0
+        return {"rows": prompts, "tokens": prompts * cfg.evaluate.max_new_tokens}
+    return {k: v for k, v in up.items() if k != "basis"}  # a stage without a model: at most its input
 
 
 def _passes(cfg: RunConfig, rows: int) -> float:
@@ -163,7 +165,7 @@ def _passes(cfg: RunConfig, rows: int) -> float:
 def stage_sizes(cfg: RunConfig, manifests: dict[str, dict], ctx: dict) -> dict[str, dict[str, Any]]:
     """Per stage: rows, tokens, bytes and basis ("measured", "estimated" or "unknown")."""
     sizes: dict[str, dict[str, Any]] = {}
-    for stage in STAGES:
+    for stage in stage_names():
         if stage in manifests:
             sizes[stage] = _measured(stage, manifests[stage])
         else:
@@ -218,6 +220,8 @@ def stage_seconds(stage: str, cfg: RunConfig, size: dict, shape: dict, prompt_to
     """Estimated seconds of one stage on its configured device; None when unknown (e.g. HTTP endpoints)."""
     if size.get("rows") is None or (stage == "regenerate" and cfg.regenerate.engine == "openai"):
         return None
+    if stage not in ("regenerate", "extract", "train", "evaluate", *CPU_ROWS_PER_S):
+        return None  # a stage without a time model
     if stage in CPU_ROWS_PER_S:
         return size["rows"] / (CPU_ROWS_PER_S[stage] * (os.cpu_count() or 1))
     device = {"train": cfg.train.device, "evaluate": cfg.evaluate.device}.get(stage, cfg.target.device)

@@ -34,7 +34,7 @@ from draftflow.stages.common import data_shards, fingerprint, manifest_digest
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
-from draftflow.stages.registry import STAGES, UPSTREAM, stage_inputs
+from draftflow.stages.registry import stage_inputs, stage_names, upstream_of
 from draftflow.store import Store
 from draftflow.target import TargetRef, resolve_target
 
@@ -147,8 +147,8 @@ def _states(cfg: RunConfig, target: TargetRef) -> tuple[list[dict[str, Any]], di
     digests: dict[str, str] = {}
     manifests: dict[str, dict] = {}
     out, blocked = [], False
-    for stage in STAGES:
-        ups = UPSTREAM[stage]
+    for stage in stage_names():
+        ups = upstream_of(stage)
         if blocked or any(u not in digests for u in ups):
             out.append({"stage": stage, "fingerprint": None, "state": "waits"})
             continue

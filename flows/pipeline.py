@@ -13,12 +13,20 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from draftflow.config import RunConfig
 from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
-from draftflow.stages.registry import REGISTRY, needed, spec, stage_gpus
+from draftflow.stages.registry import needed, registry, spec, stage_gpus
 from flows.common import publish_links
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key
 from flows.progress import install as report_progress
-from flows.stages import curate_flow, evaluate_flow, extract_flow, regenerate_flow, tokenize_flow, train_flow
+from flows.stages import (
+    curate_flow,
+    evaluate_flow,
+    extract_flow,
+    regenerate_flow,
+    sharded_stage_flow,
+    tokenize_flow,
+    train_flow,
+)
 from tasks.stage_tasks import prepare_target
 
 
@@ -29,9 +37,9 @@ def pipeline(cfg: RunConfig) -> dict:
     report_progress(cfg.name)
     target = prepare_target(cfg)
     results: dict[str, dict] = {}
-    for stage in REGISTRY:  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
+    for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
         results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
-    stages = [results[s.name] for s in REGISTRY]
+    stages = [results[s.name] for s in registry()]
     summary = summarize(cfg, stages)
     publish_summary(cfg, summary)
     return summary
@@ -94,7 +102,17 @@ STAGE_FLOWS = {"curate": curate_flow, "regenerate": regenerate_flow, "tokenize":
                "extract": extract_flow, "train": train_flow, "evaluate": evaluate_flow}
 
 
-assert set(STAGE_FLOWS) == {s.name for s in REGISTRY}, "a stage in the registry has no flow"
+
+
+def stage_flow(stage: str):
+    """The flow of `stage`: its own, or the generic sharded one for a registry stage with `run_shard`."""
+    if stage in STAGE_FLOWS:
+        return STAGE_FLOWS[stage]
+    if spec(stage).run_shard is None:
+        from draftflow.errors import ConfigError
+
+        raise ConfigError(f"stage {stage} has neither a flow nor a run_shard; give its StageSpec a run_shard")
+    return sharded_stage_flow(stage)
 
 
 def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, dict]) -> dict:
@@ -106,7 +124,8 @@ def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, 
     s = spec(stage)
     upstream = [results[u] for u in s.upstream]
     with gpu_slot(gpus=stage_gpus(cfg, stage)) if s.gpu == "stage" else nullcontext():
-        return STAGE_FLOWS[stage](cfg, target, *upstream) if s.uses_target else STAGE_FLOWS[stage](cfg, *upstream)
+        run = stage_flow(stage)
+        return run(cfg, target, *upstream) if s.uses_target else run(cfg, *upstream)
 
 
 def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, dict]:
@@ -140,10 +159,10 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
     from draftflow.config import load_config
     from draftflow.errors import ConfigError
     from draftflow.plan import preflight
-    from draftflow.stages.registry import STAGES
+    from draftflow.stages.registry import stage_names
 
-    if stage not in STAGES or upstream not in ("reuse", "run"):
-        raise ConfigError(f"stage must be one of {', '.join(STAGES)} and upstream reuse or run; "
+    if stage not in stage_names() or upstream not in ("reuse", "run"):
+        raise ConfigError(f"stage must be one of {', '.join(stage_names())} and upstream reuse or run; "
                           f"got stage={stage!r} upstream={upstream!r}")
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)

@@ -26,14 +26,13 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig, RunnerConfig
 from draftflow.errors import ConfigError
-from draftflow.stages.registry import REGISTRY
+from draftflow.stages.registry import spec
 
 log = logging.getLogger(__name__)
 # A locally started instance: tasks pass small manifests, never data, so a small object store is plenty
 # (Ray's default takes 30% of RAM in /dev/shm).
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 CONNECT_TIMEOUT_S = 5.0
-GPU_STAGES = tuple(s.name for s in REGISTRY if s.gpu == "shards")  # their shard tasks are tagged `gpu`
 
 
 def _prefect_ray():
@@ -121,7 +120,7 @@ def task_runner_for(cfg: RunConfig, stage: str, default_workers: int | None = No
             raise ConfigError(f"runner.gpus_per_task={runner.gpus_per_task:g} is less than "
                               f"regenerate.vllm.tensor_parallel_size={tp}: one task holds a whole tensor-parallel "
                               "group; raise runner.gpus_per_task")
-    connect_ray(runner, gpu_tasks=stage in GPU_STAGES)
+    connect_ray(runner, gpu_tasks=spec(stage).gpu == "shards")  # its shard tasks are tagged `gpu`
     return _prefect_ray().task_runners.RayTaskRunner(address=runner.ray_address)
 
 

@@ -7,20 +7,16 @@ results, and returns its own stage result (status, fingerprint, manifest).
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 from prefect import flow
 
 from draftflow.config import RunConfig
 from draftflow.data.stats import table_rows
 from draftflow.plan import check_space
-from draftflow.stages.common import data_shards, finalize
+from draftflow.stages.common import Source, data_shards, finalize
 from draftflow.stages.curate import check_sources, plan_parts, token_counter
-from draftflow.stages.extract import bad_shards, online_manifest
-from draftflow.stages.regenerate import check_engine
-from draftflow.stages.registry import stage_inputs
-from draftflow.stages.tokenize import write_vocab_files
-from draftflow.store import MANIFEST
+from draftflow.stages.extract import bad_shards, drop_manifest_if_damaged, online_manifest
+from draftflow.stages.registry import spec, stage_inputs
 from draftflow.target import TargetRef
 from draftflow.training.metrics import metrics_table
 from flows.common import map_shards, publish_table, reuse, run_stage
@@ -54,33 +50,36 @@ def curate_flow(cfg: RunConfig) -> dict:
     return result
 
 
-@flow(name="regenerate", task_runner=StageTaskRunner("regenerate"))
-def regenerate_flow(cfg: RunConfig, target: dict, curated: dict) -> dict:
-    inputs = _inputs(cfg, "regenerate", target, curate=curated)
-
-    def work(store, fp):
-        check_engine(cfg, target_ref(target))  # an unreachable endpoint fails here, before any shard
-        shards = data_shards(curated["manifest"], "train")
-        results = map_shards(T.regenerate_shard, store, "regenerate", shards, cfg=cfg, fp=fp, target=target,
-                             input_fp=curated["fingerprint"])
-        return finalize(store, "regenerate", fp, cfg, inputs, results)
-    return run_stage(cfg, "regenerate", inputs, work)
+def shard_task(stage: str):
+    """The shard task of a registry stage: named after it, tagged `gpu` when its shards use one."""
+    return T.stage_shard.with_options(name=f"{stage}-shard", tags={"gpu"} if spec(stage).gpu == "shards" else set())
 
 
-@flow(name="tokenize", task_runner=StageTaskRunner("tokenize"))
-def tokenize_flow(cfg: RunConfig, target: dict, regenerated: dict) -> dict:
-    inputs = _inputs(cfg, "tokenize", target, regenerate=regenerated)
+EXTRACT_SHARD = shard_task("extract")
 
-    def work(store, fp):
-        results = map_shards(T.tokenize_shard, store, "tokenize", data_shards(regenerated["manifest"]), cfg=cfg, fp=fp,
-                             target=target, input_fp=regenerated["fingerprint"])
-        vocab_files = write_vocab_files(store, fp, cfg, target_ref(target), results)
-        drops: Counter = sum((Counter(r["sequence_drops"]) for r in results), Counter())
-        results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in vocab_files]
-        extra = {"sequences": sum(r["shard"]["sequences"] for r in results if r["shard"] and "sequences" in r["shard"]),
-                 "sequences_dropped": dict(sorted(drops.items())), "policy": cfg.tokenize.policy}
-        return finalize(store, "tokenize", fp, cfg, inputs, results, extra=extra)
-    return run_stage(cfg, "tokenize", inputs, work)
+
+def sharded_stage_flow(stage: str):
+    """The flow of a registry stage with one task per input shard (`StageSpec.run_shard`): the
+    spec's check, its shard tasks over the upstream's shards, the spec's finish, the manifest."""
+    s, task_fn = spec(stage), shard_task(stage)
+
+    @flow(name=stage, task_runner=StageTaskRunner(stage))
+    def stage_flow(cfg: RunConfig, target: dict, upstream: dict) -> dict:
+        inputs = _inputs(cfg, stage, target, **{upstream["stage"]: upstream})
+
+        def work(store, fp):
+            if s.check:  # e.g. an unreachable endpoint fails here, before any shard
+                s.check(cfg, target_ref(target))
+            results = map_shards(task_fn, store, stage, data_shards(upstream["manifest"], s.split), cfg=cfg, fp=fp,
+                                 target=target, stage_name=stage, source=list(Source.of(upstream["manifest"])))
+            results, extra = s.finish(store, fp, cfg, target_ref(target), results) if s.finish else (results, {})
+            return finalize(store, stage, fp, cfg, inputs, results, extra=extra)
+        return run_stage(cfg, stage, inputs, work)
+    return stage_flow
+
+
+regenerate_flow = sharded_stage_flow("regenerate")
+tokenize_flow = sharded_stage_flow("tokenize")
 
 
 @flow(name="extract", task_runner=StageTaskRunner("extract"))
@@ -89,18 +88,18 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
     cache; a bad one drops the manifest and only that shard is recomputed."""
     inputs = _inputs(cfg, "extract", target, tokenize=tokenized)
-    store, fp, manifest = reuse(cfg, "extract", inputs)
-    if manifest is not None and bad_shards(store, fp, manifest["shards"], checksum=False):
-        store.fs.rm(store.stage_path("extract", fp, MANIFEST))
+    store, fp, _ = reuse(cfg, "extract", inputs)
+    drop_manifest_if_damaged(store, fp)
 
     def work(store, fp):
         if cfg.extract.mode == "online":  # nothing stored: train computes the features per batch
             return online_manifest(store, fp, cfg, inputs, tokenized)
         check_space(cfg, tokenized["manifest"], target_ref(target), fp=fp)  # before any shard
         shards = data_shards(tokenized["manifest"], "train")
-        results = map_shards(T.extract_shard, store, "extract", shards,
+        results = map_shards(EXTRACT_SHARD, store, "extract", shards,
                              verify=lambda entries: set(bad_shards(store, fp, entries)),
-                             cfg=cfg, fp=fp, target=target, input_fp=tokenized["fingerprint"])
+                             cfg=cfg, fp=fp, target=target, stage_name="extract",
+                             source=list(Source.of(tokenized["manifest"])))
         return finalize(store, "extract", fp, cfg, inputs, results)
     return run_stage(cfg, "extract", inputs, work)
 

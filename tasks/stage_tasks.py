@@ -17,8 +17,9 @@ from prefect.tasks import exponential_backoff
 
 from draftflow.config import RunConfig
 from draftflow.errors import DraftflowError
-from draftflow.stages import curate, evaluate, extract, regenerate, tokenize, train
-from draftflow.stages.common import shard_key
+from draftflow.stages import curate, evaluate, train
+from draftflow.stages.common import Source, shard_key
+from draftflow.stages.registry import spec
 from draftflow.store import Store
 from draftflow.target import TargetRef, resolve_target
 
@@ -56,19 +57,11 @@ def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> dict[str, Any
     return curate.run(Store(cfg.root), fp, cfg, inputs)
 
 
-@task(name="regenerate-shard", tags=["gpu"], **SHARD)
-def regenerate_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
-    return regenerate.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
-
-
-@task(name="tokenize-shard", **SHARD)
-def tokenize_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
-    return tokenize.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
-
-
-@task(name="extract-shard", tags=["gpu"], **SHARD)
-def extract_shard(cfg: RunConfig, fp: str, target: dict, input_fp: str, shard: dict) -> dict[str, Any]:
-    return extract.run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), input_fp, shard)
+@task(name="stage-shard", **SHARD)
+def stage_shard(cfg: RunConfig, fp: str, target: dict, stage_name: str, source: list[str],
+                shard: dict) -> dict[str, Any]:
+    """One shard of a registry stage with a `run_shard` (flows name it `<stage>-shard` and tag GPU stages)."""
+    return spec(stage_name).run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), Source(*source), shard)
 
 
 @task(name="train-drafter", tags=["gpu"], **STAGE)

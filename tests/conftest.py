@@ -133,15 +133,15 @@ def run_front(cfg, tiny_target):
         (store, curate shard, regenerate fingerprint, regenerate result, tokenize result)
     """
     from draftflow.stages import curate, regenerate, tokenize
-    from draftflow.stages.common import fingerprint, manifest_digest
+    from draftflow.stages.common import Source, fingerprint, manifest_digest
     from draftflow.store import Store
 
     store = Store(cfg.root)
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
     rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
     shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, cm["fingerprint"], shard)
-    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, rfp, rres["shard"])
+    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
+    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, Source("regenerate", rfp), rres["shard"])
     return store, shard, rfp, rres, tres
 
 
@@ -204,3 +204,15 @@ def preempt_training(monkeypatch, at: int) -> Callable[[], None]:
 
     monkeypatch.setattr(train_mod, "_train_step", preempted)
     return lambda: monkeypatch.setattr(train_mod, "_train_step", real_step)
+
+
+def patch_stage(monkeypatch, stage: str, **changes) -> None:
+    """Give `stage`'s registry spec other fields (e.g. a wrapped `run_shard`) until the test ends."""
+    import dataclasses
+
+    from draftflow.stages import registry
+
+    specs = list(registry.registry())
+    i = [s.name for s in specs].index(stage)
+    specs[i] = dataclasses.replace(specs[i], **changes)
+    monkeypatch.setattr(registry, "_REGISTRY", specs)

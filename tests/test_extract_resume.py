@@ -14,6 +14,7 @@ import torch
 from draftflow.errors import StoreError
 from draftflow.features import FeatureShard
 from draftflow.stages import extract
+from draftflow.stages.common import Source
 from tests.conftest import run_front, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -23,6 +24,7 @@ torch.set_num_threads(1)
 from draftflow import capture
 from draftflow.config import RunConfig
 from draftflow.stages import extract
+from draftflow.stages.common import Source
 from draftflow.store import Store
 from draftflow.target import TargetRef
 real = capture.HFCapture.capture
@@ -32,7 +34,8 @@ def slow(self, batch):  # slow enough to be killed between two checkpoints
 capture.HFCapture.capture = slow
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 args = json.load(open(sys.argv[2]))
-extract.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), "tokfp", args["shard"])
+extract.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), Source("tokenize", "tokfp"),
+                  args["shard"])
 """
 
 
@@ -41,7 +44,7 @@ def front(tmp_path_factory, tiny_target):
     cfg = tiny_config(tmp_path_factory.mktemp("extract") / "run", "extract.checkpoint_every=3",
                       "extract.batch_size=2")
     store, _, _, _, tres = run_front(cfg, tiny_target)
-    reference = extract.run_shard(store, "reference", cfg, tiny_target, "tokfp", tres["shard"])
+    reference = extract.run_shard(store, "reference", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
     return cfg, store, tres["shard"], reference
 
 
@@ -68,7 +71,7 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, fron
     assert 0 < done_before < shard["rows"]  # killed mid-shard, after checkpoints
     assert not Path(store.stage_path("extract", "killed", reference["shard"]["name"])).exists()
 
-    resumed = extract.run_shard(store, "killed", cfg, tiny_target, "tokfp", shard)
+    resumed = extract.run_shard(store, "killed", cfg, tiny_target, Source("tokenize", "tokfp"), shard)
     got, want = _shard(store, "killed", resumed), _shard(store, "reference", reference)
     assert got.sample_ids == want.sample_ids  # input order, no loss, no duplicate
     for a, b in zip(got, want):
@@ -80,7 +83,7 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, fron
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_shard_fails_its_checksum_and_is_recomputed(front, tiny_target, damage):
     cfg, store, shard, _ = front
-    result = extract.run_shard(store, f"dmg-{damage}", cfg, tiny_target, "tokfp", shard)
+    result = extract.run_shard(store, f"dmg-{damage}", cfg, tiny_target, Source("tokenize", "tokfp"), shard)
     entry, fp = result["shard"], f"dmg-{damage}"
     path = Path(store.stage_path("extract", fp, entry["name"]))
     assert extract.bad_shards(store, fp, [entry]) == []
@@ -101,7 +104,7 @@ def test_a_damaged_shard_fails_its_checksum_and_is_recomputed(front, tiny_target
     if damage == "flip":
         with pytest.raises(StoreError, match="checksum"):
             store.verify_sha("extract", fp, entry)
-    again = extract.run_shard(store, fp, cfg, tiny_target, "tokfp", shard)  # what the flow re-runs
+    again = extract.run_shard(store, fp, cfg, tiny_target, Source("tokenize", "tokfp"), shard)  # what the flow re-runs
     assert again["shard"]["sha256"] == entry["sha256"]  # deterministic: the same bytes as before
     assert extract.bad_shards(store, fp, [again["shard"]]) == []
 
@@ -109,7 +112,7 @@ def test_a_damaged_shard_fails_its_checksum_and_is_recomputed(front, tiny_target
 def test_fp8_shard_from_the_stage(front, tiny_target):
     cfg, store, shard, reference = front
     cfg8 = cfg.model_copy(update={"extract": cfg.extract.model_copy(update={"dtype": "float8"})})
-    result = extract.run_shard(store, "fp8", cfg8, tiny_target, "tokfp", shard)
+    result = extract.run_shard(store, "fp8", cfg8, tiny_target, Source("tokenize", "tokfp"), shard)
     got, want = _shard(store, "fp8", result), _shard(store, "reference", reference)
     assert result["shard"]["dtype"] == "float8" and got.dtype == "float8"
     assert result["shard"]["bytes"] < reference["shard"]["bytes"]
@@ -127,7 +130,8 @@ def test_parts_and_shard_on_s3_equal_the_local_run(front, tiny_target, s3_env):
     fs.mkdir("extract-s3")
     s3 = Store("s3://extract-s3/run")
     fs.put_file(store.stage_path("tokenize", "tokfp", shard["name"]), s3.stage_path("tokenize", "tokfp", shard["name"]))
-    result = extract.run_shard(s3, "fp", cfg, tiny_target, "tokfp", shard)  # 7 parts on S3, then merged
+    # 7 parts on S3, then merged
+    result = extract.run_shard(s3, "fp", cfg, tiny_target, Source("tokenize", "tokfp"), shard)
     url = s3.url(s3.stage_path("extract", "fp", result["shard"]["name"]))
     got = FeatureShard(url, sha256=result["shard"]["sha256"])
     want = _shard(store, "reference", reference)

@@ -13,7 +13,7 @@ from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import finalize
+from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.launch import TrainingCrashed, use_torchrun
 from tests.conftest import run_front, tiny_config
@@ -27,7 +27,7 @@ def front(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("launch") / "run"
     cfg = tiny_config(root, *TRAIN)
     store, _, _, _, tres = run_front(cfg, tiny_target)
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, "tokfp", tres["shard"])
+    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
     manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
     return root, {"manifest": manifest, "fingerprint": "exfp"}
 

@@ -11,7 +11,7 @@ from draftflow.features import FeatureShard
 from draftflow.plan import preflight
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import fingerprint, manifest_digest
+from draftflow.stages.common import Source, fingerprint, manifest_digest
 from draftflow.training.job import OnlineSamples
 from tests.conftest import run_front, tiny_config
 
@@ -45,7 +45,7 @@ def test_online_extract_stores_nothing_and_points_at_the_tokenize_rows(front, ti
 def test_online_tensors_equal_the_stored_ones_for_the_same_batch(front, tiny_target, dtype):
     cfg, store, tok = front
     xcfg = tiny_config(cfg.root, f"extract.dtype={dtype}")
-    res = extract.run_shard(store, f"ex-{dtype}", xcfg, tiny_target, "tokfp", tok)
+    res = extract.run_shard(store, f"ex-{dtype}", xcfg, tiny_target, Source("tokenize", "tokfp"), tok)
     stored = FeatureShard(store.stage_path("extract", f"ex-{dtype}", res["shard"]["name"]))
     ocfg = tiny_config(cfg.root, "extract.mode=online", f"extract.dtype={dtype}")
     path = store.verify_sha("tokenize", "tokfp", tok)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.store import sha256_file
-from tests.conftest import tiny_config
+from tests.conftest import patch_stage, tiny_config
 
 STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
 
@@ -105,19 +105,19 @@ def test_failed_shard_is_the_only_one_recomputed(prefect_harness, tmp_path, monk
     real = extract_lib.run_shard
     calls: list[str] = []
 
-    def failing(store, fp, cfg, target, tok_fp, shard):
+    def failing(store, fp, cfg, target, source, shard):
         calls.append(shard["name"])
         if shard["name"] == "train-00002.parquet":
             raise RuntimeError("injected extract failure")
-        return real(store, fp, cfg, target, tok_fp, shard)
+        return real(store, fp, cfg, target, source, shard)
 
-    monkeypatch.setattr(extract_lib, "run_shard", failing)
+    patch_stage(monkeypatch, "extract", run_shard=failing)
     cfg = tiny_config(tmp_path / "run")
     with pytest.raises(RuntimeError, match="injected extract failure"):
         pipeline(cfg)
     assert {"train-00000.parquet", "train-00001.parquet"} <= set(calls)
     calls.clear()
-    monkeypatch.setattr(extract_lib, "run_shard", lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1]["name"]) or real(*a))
     summary = pipeline(cfg)
     assert calls == ["train-00002.parquet"]  # the finished shards came from the Prefect cache
     assert [s["status"] for s in summary["stages"]][:4] == ["reused", "reused", "reused", "ran"]
@@ -139,7 +139,7 @@ def test_a_cached_shard_damaged_in_place_is_recomputed(prefect_harness, tmp_path
     (extract_dir / "manifest.json").unlink()  # the stage must be rebuilt from its (cached) shard tasks
     calls: list[str] = []
     real = extract_lib.run_shard
-    monkeypatch.setattr(extract_lib, "run_shard", lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1]["name"]) or real(*a))
     again = pipeline(cfg)
     assert calls == ["train-00001.parquet"]  # the other shards came from the cache
     assert sha256_file(shard) == original

@@ -103,7 +103,7 @@ def test_extract_flow_checks_the_space_before_any_shard(tmp_path, tiny_target, m
 
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 123, 123))
-    monkeypatch.setattr(stage_tasks, "extract_shard", None)  # any shard task would fail differently
+    monkeypatch.setattr(stage_tasks, "stage_shard", None)  # any shard task would fail differently
     cfg = tiny_config(tmp_path / "run")
     tokenized = {"manifest": _tokenized(1000), "fingerprint": "tok", "digest": "d"}
     target = {"path": tiny_target.path, "fingerprint": tiny_target.fingerprint}

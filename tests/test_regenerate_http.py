@@ -6,7 +6,7 @@ from draftflow.data.schema import read_rows
 from draftflow.engines.hf import HFEngine
 from draftflow.errors import DraftflowError
 from draftflow.stages import curate, regenerate, tokenize
-from draftflow.stages.common import fingerprint
+from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.openai_server import OpenAITestServer
@@ -27,13 +27,13 @@ def test_http_regeneration_feeds_tokenize_through_the_template(tmp_path, tiny_ta
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
     shard = [s for s in cm["shards"] if s["split"] == "train"][0]
     regenerate.check_engine(cfg, tiny_target)  # reachable: no error
-    res = regenerate.run_shard(store, "http", cfg, tiny_target, cm["fingerprint"], shard)
+    res = regenerate.run_shard(store, "http", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
     assert res["rows_in"] == res["rows_out"] + sum(res["dropped"].values()) == shard["rows"]
     rows = read_rows(store.stage_path("regenerate", "http", shard["name"]))
     assert rows and all(g["ids"] == [] for r in rows for g in r["generated"])  # text-only engine
     assert '"engine": "openai"' in rows[0]["provenance"]
     # Tokenize derives each turn's ids from the template when the engine gave text only.
-    tok = tokenize.run_shard(store, "tok", cfg, tiny_target, "http", res["shard"])
+    tok = tokenize.run_shard(store, "tok", cfg, tiny_target, Source("regenerate", "http"), res["shard"])
     assert tok["rows_out"] + sum(tok["dropped"].values()) == tok["rows_in"] and tok["rows_out"] > 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftflow.data.schema import read_rows
 from draftflow.stages import curate, regenerate
-from draftflow.stages.common import fingerprint
+from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
 from tests.conftest import tiny_config
 
@@ -19,11 +19,13 @@ import sys, json, torch
 torch.set_num_threads(1)
 from draftflow.config import RunConfig
 from draftflow.stages import regenerate
+from draftflow.stages.common import Source
 from draftflow.store import Store
 from draftflow.target import TargetRef
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 args = json.load(open(sys.argv[2]))
-regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), args["curate_fp"], args["shard"])
+regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), Source("curate", args["curate_fp"]),
+                     args["shard"])
 """
 
 
@@ -38,7 +40,7 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     store = Store(cfg.root)
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
     shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    reference = regenerate.run_shard(store, "reference", cfg, tiny_target, cm["fingerprint"], shard)
+    reference = regenerate.run_shard(store, "reference", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
 
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     (tmp_path / "args.json").write_text(json.dumps({"target": {"path": tiny_target.path,
@@ -57,7 +59,7 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     assert 0 < done_before < shard["rows"]  # killed mid-shard, after a checkpoint
     assert not Path(store.stage_path("regenerate", "killed", shard["name"])).exists()  # nothing looks complete
 
-    resumed = regenerate.run_shard(store, "killed", cfg, tiny_target, cm["fingerprint"], shard)
+    resumed = regenerate.run_shard(store, "killed", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
     ref_rows = read_rows(store.stage_path("regenerate", "reference", reference["shard"]["name"]))
     got_rows = read_rows(store.stage_path("regenerate", "killed", resumed["shard"]["name"]))
     assert [r["sample_id"] for r in got_rows] == [r["sample_id"] for r in ref_rows]  # no loss, no duplicate

@@ -6,19 +6,19 @@ import pytest
 
 from draftflow.config import STAGE_SECTIONS
 from draftflow.errors import ConfigError
-from draftflow.stages.registry import REGISTRY, STAGES, UPSTREAM, needed, spec, stage_gpus, stage_inputs
+from draftflow.stages.registry import needed, registry, spec, stage_gpus, stage_inputs, stage_names, upstream_of
 from tests.conftest import tiny_config
 
 
 def test_the_registry_is_in_dependency_order_with_known_upstreams():
     seen: set[str] = set()
-    for s in REGISTRY:
+    for s in registry():
         assert set(s.upstream) <= seen, f"{s.name} comes before its upstream {s.upstream}"
         assert s.sections == STAGE_SECTIONS[s.name]
         seen.add(s.name)
-    assert STAGES == ("curate", "regenerate", "tokenize", "extract", "train", "evaluate")
-    assert needed("evaluate") == list(STAGES) and needed("tokenize") == ["curate", "regenerate", "tokenize"]
-    assert UPSTREAM["evaluate"] == ("curate", "train")
+    assert stage_names() == ("curate", "regenerate", "tokenize", "extract", "train", "evaluate")
+    assert needed("evaluate") == list(stage_names()) and needed("tokenize") == ["curate", "regenerate", "tokenize"]
+    assert upstream_of("evaluate") == ("curate", "train")
 
 
 def test_an_unknown_stage_is_one_line():
@@ -27,7 +27,7 @@ def test_an_unknown_stage_is_one_line():
 
 
 def test_gpu_slots_follow_the_specs(tiny_cfg):
-    assert [s.name for s in REGISTRY if s.gpu] == ["regenerate", "extract", "train", "evaluate"]
+    assert [s.name for s in registry() if s.gpu] == ["regenerate", "extract", "train", "evaluate"]
     tiny_cfg.evaluate.engine = "vllm"
     tiny_cfg.regenerate.vllm.tensor_parallel_size = 4
     assert stage_gpus(tiny_cfg, "evaluate") == 4 and stage_gpus(tiny_cfg, "extract") == 1

@@ -9,7 +9,7 @@ from draftflow.engines import SamplingParams
 from draftflow.engines.hf import HFEngine
 from draftflow.features import FeatureShard
 from draftflow.stages import extract
-from draftflow.stages.common import fingerprint
+from draftflow.stages.common import Source, fingerprint
 from tests.conftest import run_front
 
 
@@ -68,7 +68,7 @@ def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_
 def test_extract_matches_hf_hidden_states_at_l_plus_1(tiny_cfg, tiny_target):
     store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
     cfg = tiny_cfg.model_copy(update={"extract": tiny_cfg.extract.model_copy(update={"dtype": "float32"})})
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, "tokfp", tres["shard"])
+    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
     fs = FeatureShard(store.stage_path("extract", "exfp", eres["shard"]["name"]))
     toks = read_rows(store.stage_path("tokenize", "tokfp", tres["shard"]["name"]))
     assert len(fs) == len(toks) and fs.layer_ids == [1, 3, 5]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -19,6 +19,18 @@ from draftflow.data.schema import REJECTED, write_rows
 from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
 
 log = logging.getLogger(__name__)
+
+
+class Source(NamedTuple):
+    """Where a stage's input shards live: the upstream stage's name and fingerprint. A stage reads
+    its input through this, so it never names the stage before it (a stage can be put in between)."""
+
+    stage: str
+    fingerprint: str
+
+    @classmethod
+    def of(cls, manifest: dict[str, Any]) -> Source:
+        return cls(manifest["stage"], manifest["fingerprint"])
 
 
 def fingerprint(stage: str, cfg: RunConfig, inputs: dict[str, str]) -> str:

@@ -35,8 +35,8 @@ from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
 from draftflow.layers import FINAL, default_dflash_layer_ids, eagle3_taps, validate_layer_ids
-from draftflow.stages.common import data_shards, finalize, shard_result
-from draftflow.store import Store, shard_entry
+from draftflow.stages.common import Source, data_shards, finalize, shard_result
+from draftflow.store import MANIFEST, Store, shard_entry
 from draftflow.target import TargetRef, resolve_device
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,11 @@ def extract_rows(store: Store, fp: str, cfg: RunConfig, target: TargetRef, name:
         progress.report(STAGE, len(rows) - len(todo) + lo + len(chunk), len(rows), part=name)
 
 
-def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: str,
+def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
               shard: dict[str, Any]) -> dict[str, Any]:
     """Extract features for one tokenize shard into one feature shard (resumable inside the shard)."""
     layer_ids = drafter_layer_ids(cfg, target_depth(target.path))
-    rows = read_rows(store.verify_sha("tokenize", tok_fp, shard))
+    rows = read_rows(store.verify_sha(*source, shard))
     name = shard["name"].replace(".parquet", ".safetensors")
     with tempfile.TemporaryDirectory(prefix="draftflow-extract-") as tmp:
         parts = _open_parts(store, _part_paths(store, fp, name), tmp)
@@ -147,7 +147,7 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, tok_fp: 
             tokens = merge_feature_shards(out, parts, [sample_key(r) for r in rows])
             # tokenize_fingerprint: where train finds the draft vocabulary (EAGLE-3's d2t/t2d).
             entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard["split"], layer_ids=layer_ids,
-                                dtype=cfg.extract.dtype, tokenize_fingerprint=tok_fp)
+                                dtype=cfg.extract.dtype, tokenize_fingerprint=source.fingerprint)
     _clear_parts(store, fp, name)
     log.info("extracted %s: %d sequences, %d tokens, taps %s, %s", name, len(rows), tokens, layer_ids,
              cfg.extract.dtype)
@@ -171,6 +171,14 @@ def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]], checksum: bo
             log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s["name"])
             bad.append(s["name"])
     return bad
+
+
+def drop_manifest_if_damaged(store: Store, fp: str) -> None:
+    """Before a complete stage is reused: a missing or wrong-size feature shard removes the manifest,
+    so the stage runs again and recomputes that shard only (the others come back from the cache)."""
+    manifest = store.read_manifest(STAGE, fp)
+    if manifest is not None and bad_shards(store, fp, manifest["shards"], checksum=False):
+        store.fs.rm(store.stage_path(STAGE, fp, MANIFEST))
 
 
 # ----------------------------------------------------------------------------- online mode

@@ -29,7 +29,7 @@ from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_ta
 from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
 from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.errors import ConversationError
-from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
+from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store
 from draftflow.target import TargetRef
 
@@ -208,13 +208,13 @@ def provenance_of(engine, cfg: RunConfig, target: TargetRef, params: SamplingPar
                        "target_fingerprint": target.fingerprint, "sampling": params.to_dict()}, sort_keys=True)
 
 
-def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, curate_fp: str,
+def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
               shard: dict[str, Any]) -> dict[str, Any]:
     """Regenerate one curate shard into a regenerate shard of the same name (resumable)."""
     from draftflow.chat import ChatFormat
 
     rcfg, name = cfg.regenerate, shard["name"]
-    rows = read_rows(store.verify_sha("curate", curate_fp, shard))
+    rows = read_rows(store.verify_sha(*source, shard))
     done, rejects = load_partial(store, fp, name)
     seen = {r["sample_id"] for r in done} | {r["row"] for r in rejects}
     todo = [r for r in rows if r["sample_id"] not in seen]

@@ -16,11 +16,15 @@ imports, and one stage's edit must not recompute the others).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from draftflow.config import STAGE_SECTIONS, RunConfig
 from draftflow.errors import ConfigError
+from draftflow.stages import extract, regenerate, tokenize
 
 
 def _no_gpus(cfg: RunConfig) -> int:
@@ -46,6 +50,12 @@ class StageSpec:
         gpus: GPUs one unit of work occupies under a config (0 for CPU stages).
         split: which upstream shards the stage maps over ("train"; None: all).
         uses_target: whether the target's fingerprint is one of its inputs.
+        sections: config sections (or dotted fields) in its fingerprint; None: `config.STAGE_SECTIONS`.
+        run_shard: `(store, fp, cfg, target, source, shard) -> shard result` for a stage with one
+            task per input shard (the generic sharded stage flow maps it); None: the stage has a flow
+            of its own.
+        check: `(cfg, target)`, run before any shard (e.g. an unreachable endpoint fails here).
+        finish: `(store, fp, cfg, target, results) -> (results, manifest extra)`, after every shard.
     """
 
     name: str
@@ -54,31 +64,52 @@ class StageSpec:
     gpus: Callable[[RunConfig], int] = _no_gpus
     split: str | None = None
     uses_target: bool = True
-    sections: tuple[str, ...] = field(init=False)
+    sections: tuple[str, ...] | None = None
+    run_shard: Callable[..., dict[str, Any]] | None = None
+    check: Callable[..., None] | None = None
+    finish: Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]] | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "sections", STAGE_SECTIONS[self.name])
+        if self.sections is None:
+            object.__setattr__(self, "sections", STAGE_SECTIONS[self.name])
 
 
-REGISTRY: tuple[StageSpec, ...] = (
+_REGISTRY: list[StageSpec] = [
     StageSpec("curate", (), uses_target=False),
     StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
-              split="train"),
-    StageSpec("tokenize", ("regenerate",)),
-    StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train"),
+              split="train", run_shard=regenerate.run_shard, check=regenerate.check_engine),
+    StageSpec("tokenize", ("regenerate",), run_shard=tokenize.run_shard, finish=tokenize.finish_stage),
+    StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
+              run_shard=extract.run_shard),
     StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node),
     StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine)),
-)
-SPECS: dict[str, StageSpec] = {s.name: s for s in REGISTRY}
-STAGES: tuple[str, ...] = tuple(s.name for s in REGISTRY)
-UPSTREAM: dict[str, tuple[str, ...]] = {s.name: s.upstream for s in REGISTRY}
+]
+
+
+def registry() -> tuple[StageSpec, ...]:
+    """Every stage, in pipeline order (each after its upstream)."""
+    return tuple(_REGISTRY)
+
+
+def stage_names() -> tuple[str, ...]:
+    return tuple(s.name for s in _REGISTRY)
 
 
 def spec(stage: str) -> StageSpec:
     """The spec of `stage`; an unknown name is a one-line error listing the known ones."""
-    if stage not in SPECS:
-        raise ConfigError(f"no stage {stage!r}; the stages are {', '.join(STAGES)}")
-    return SPECS[stage]
+    for s in _REGISTRY:
+        if s.name == stage:
+            return s
+    raise ConfigError(f"no stage {stage!r}; the stages are {', '.join(stage_names())}")
+
+
+def upstream_of(stage: str) -> tuple[str, ...]:
+    return spec(stage).upstream
+
+
+def downstream_of(stage: str) -> list[str]:
+    """The stages that read `stage`'s manifest."""
+    return [s.name for s in _REGISTRY if stage in s.upstream]
 
 
 def needed(stage: str) -> list[str]:
@@ -87,8 +118,34 @@ def needed(stage: str) -> list[str]:
     while todo:
         s = todo.pop()
         want.add(s)
-        todo += UPSTREAM[spec(s).name]
-    return [s for s in STAGES if s in want]
+        todo += upstream_of(s)
+    return [s for s in stage_names() if s in want]
+
+
+@contextmanager
+def inserted(new: StageSpec, before: str) -> Iterator[StageSpec]:
+    """Put `new` between `before` and its upstream for the duration of the block: `new` reads what
+    `before` read, and `before` reads `new`'s output. Plan, status, fingerprints and the pipeline
+    flow all see it. The registry is restored afterwards.
+
+    Raises:
+        ConfigError: `before` is unknown, has other than one upstream, or `new`'s name is taken.
+    """
+    old = spec(before)
+    if new.name in stage_names() or len(old.upstream) != 1:
+        raise ConfigError(f"cannot put stage {new.name!r} before {before!r}: the name is taken or "
+                          f"{before} does not read exactly one stage")
+    saved, had_sections = list(_REGISTRY), new.name in STAGE_SECTIONS
+    new = dataclasses.replace(new, upstream=old.upstream)
+    STAGE_SECTIONS[new.name] = new.sections
+    at = _REGISTRY.index(old)
+    _REGISTRY[at:at + 1] = [new, dataclasses.replace(old, upstream=(new.name,))]
+    try:
+        yield new
+    finally:
+        _REGISTRY[:] = saved
+        if not had_sections:
+            del STAGE_SECTIONS[new.name]
 
 
 def stage_gpus(cfg: RunConfig, stage: str) -> int:

@@ -28,7 +28,7 @@ import pyarrow as pa
 from draftflow.config import RunConfig, TokenizeConfig
 from draftflow.data.schema import TOKENIZED, read_rows, template_kwargs, write_rows
 from draftflow.errors import ConversationError
-from draftflow.stages.common import reject, shard_result, write_parquet, write_rejects
+from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef
 
@@ -129,10 +129,10 @@ def encode_parallel(rows: list[dict], target_path: str, tcfg: TokenizeConfig, mi
     return merged
 
 
-def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, regen_fp: str,
+def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
               shard: dict[str, Any]) -> dict[str, Any]:
     """Tokenize one regenerate shard; also write its token-frequency shard."""
-    rows = read_rows(store.verify_sha("regenerate", regen_fp, shard))
+    rows = read_rows(store.verify_sha(*source, shard))
     res = encode_parallel(rows, target.path, cfg.tokenize, min_supervised(cfg))
     out, freq = res["rows"], res["freq"]
     tokens, supervised = sum(len(r["input_ids"]) for r in out), sum(freq.values())
@@ -190,3 +190,15 @@ def write_vocab_files(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
         write_rows(tmp, [{"token_id": t, "count": c} for t, c in sorted(total.items())], FREQ)
         entries.append(shard_entry("token_freq.parquet", tmp, rows=len(total), kind="freq"))
     return entries
+
+
+def finish_stage(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
+                 results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """After every shard: the vocabulary file joins the results; the manifest's extra counts sequences
+    (rows a conversation became) and the sequences dropped, by reason."""
+    vocab = write_vocab_files(store, fp, cfg, target, results)
+    drops: Counter = sum((Counter(r["sequence_drops"]) for r in results), Counter())
+    results = results + [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in vocab]
+    extra = {"sequences": sum(r["shard"]["sequences"] for r in results if r["shard"] and "sequences" in r["shard"]),
+             "sequences_dropped": dict(sorted(drops.items())), "policy": cfg.tokenize.policy}
+    return results, extra

@@ -19,6 +19,7 @@ import torch
 from draftflow.data.schema import read_rows
 from draftflow.features import FeatureShard
 from draftflow.stages import regenerate
+from draftflow.stages.common import Source
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.test_eagle3_pipeline import eagle3_config
@@ -56,7 +57,7 @@ def test_regenerated_ids_equal_the_transformers_engine(dflash_run, tiny_target):
     got = read_rows(str(Path(_stage(summary, "regenerate")["path"]) / shard["name"]))
     hf_cfg = cfg.model_copy(update={"regenerate": cfg.regenerate.model_copy(update={"engine": "hf",
                                                                                     "batch_size": 1})})
-    ref = regenerate.run_shard(store, "hf-reference", hf_cfg, tiny_target, manifest["fingerprint"], shard)
+    ref = regenerate.run_shard(store, "hf-reference", hf_cfg, tiny_target, Source.of(manifest), shard)
     want = read_rows(store.stage_path("regenerate", "hf-reference", ref["shard"]["name"]))
     ids = lambda rows: [(r["sample_id"], [g["ids"] for g in r["generated"]]) for r in rows]  # noqa: E731
     assert ids(got) == ids(want)  # multi-turn and tool conversations of the sample data included

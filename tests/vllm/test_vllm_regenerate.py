@@ -17,7 +17,7 @@ from draftflow.data.schema import read_rows
 from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.engines.hf import HFEngine
 from draftflow.stages import curate, regenerate
-from draftflow.stages.common import fingerprint
+from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.vllm.conftest import VLLM_OVERRIDES
@@ -40,14 +40,15 @@ KILLED = """
 import sys, json
 from draftflow.config import RunConfig
 from draftflow.stages import regenerate
+from draftflow.stages.common import Source
 from draftflow.store import Store
 from draftflow.target import TargetRef
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn
     cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
     args = json.load(open(sys.argv[2]))
-    regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), args["curate_fp"],
-                         args["shard"])
+    regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]),
+                         Source("curate", args["curate_fp"]), args["shard"])
 """
 
 
@@ -110,13 +111,13 @@ def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, ti
     assert 0 < done_before < shard["rows"]  # killed mid-shard, after a checkpoint
     assert not Path(store.stage_path("regenerate", "killed", shard["name"])).exists()
 
-    resumed = regenerate.run_shard(store, "killed", vcfg, tiny_target, cm["fingerprint"], shard)
+    resumed = regenerate.run_shard(store, "killed", vcfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
     got = read_rows(store.stage_path("regenerate", "killed", resumed["shard"]["name"]))
     # The reference runs one conversation at a time: padding in a transformers batch moves float sums
     # enough to flip near-ties of the random tiny target, which would test padding, not vLLM.
     hf_cfg = vcfg.model_copy(update={"regenerate": vcfg.regenerate.model_copy(update={"engine": "hf",
                                                                                       "batch_size": 1})})
-    ref = regenerate.run_shard(store, "hf", hf_cfg, tiny_target, cm["fingerprint"], shard)
+    ref = regenerate.run_shard(store, "hf", hf_cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
     want = read_rows(store.stage_path("regenerate", "hf", ref["shard"]["name"]))
     assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]  # nothing lost or duplicated
     assert _ids(got) == _ids(want)  # vLLM's greedy ids, resumed, equal transformers' uninterrupted ones

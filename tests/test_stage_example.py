@@ -1,0 +1,88 @@
+"""The README's worked example, as a test: a new stage is one shard function plus one registry entry.
+
+`short_answers` sits between regenerate and tokenize and drops conversations whose regenerated
+answers are nearly empty. It names no other stage: it reads its input through the `Source` it is
+given, writes the same row format, and tokenize reads its output without knowing it is there. The
+pipeline runs it, `plan` and `status` show it, and it is fingerprinted like any stage.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from draftflow.data.schema import REGENERATED, read_rows
+from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
+from draftflow.stages.registry import StageSpec, inserted, stage_names
+from draftflow.store import Store
+from draftflow.target import TargetRef
+from tests.conftest import tiny_config
+
+MIN_ANSWER_TOKENS = 3
+
+
+def short_answers_shard(store: Store, fp: str, cfg, target: TargetRef, source: Source, shard: dict) -> dict:
+    """Keep the conversations whose every regenerated answer has at least MIN_ANSWER_TOKENS tokens."""
+    rows = read_rows(store.verify_sha(*source, shard))
+    keep, rejects = [], []
+    for r in rows:
+        if all(g["completion_tokens"] >= MIN_ANSWER_TOKENS for g in r["generated"]):
+            keep.append(r)
+        else:
+            rejects.append(reject(r["source"], "short_answer", f"< {MIN_ANSWER_TOKENS} tokens", r["sample_id"]))
+    tokens = sum(g["completion_tokens"] for r in keep for g in r["generated"])
+    entry = write_parquet(store, "short_answers", fp, shard["name"], keep, REGENERATED, tokens=tokens,
+                          split=shard["split"])
+    rejected = write_rejects(store, "short_answers", fp, shard["name"], rejects)
+    return shard_result(entry, rejected, len(rows), len(keep), Counter(r["reason"] for r in rejects))
+
+
+SHORT_ANSWERS = StageSpec("short_answers", upstream=(), sections=("regenerate.max_new_tokens",),
+                          run_shard=short_answers_shard)
+
+
+def test_a_stage_added_through_the_registry_runs_is_planned_and_fingerprinted(prefect_harness, tmp_path,
+                                                                              tiny_target):
+    from draftflow.plan import plan
+    from draftflow.runinfo import stage_status
+    from flows.pipeline import pipeline
+
+    cfg = tiny_config(tmp_path / "run")
+    target = TargetRef(tiny_target.path, tiny_target.fingerprint)
+    with inserted(SHORT_ANSWERS, before="tokenize"):
+        assert stage_names()[1:4] == ("regenerate", "short_answers", "tokenize")
+        before = {s["stage"]: s["state"] for s in plan(cfg, target)}
+        assert before["short_answers"] == "waits"  # its input is not there yet
+
+        summary = pipeline(cfg)
+        stages = {s["stage"]: s for s in summary["stages"]}
+        assert [s["stage"] for s in summary["stages"]][:4] == ["curate", "regenerate", "short_answers", "tokenize"]
+        ours = stages["short_answers"]
+        assert ours["status"] == "ran" and ours["rows_in"] == stages["regenerate"]["rows_out"]
+        assert ours["rows_in"] == ours["rows_out"] + sum(ours["dropped"].values())
+        manifest = json.loads((Path(ours["path"]) / "manifest.json").read_text())
+        assert manifest["config"] == {"regenerate.max_new_tokens": cfg.regenerate.max_new_tokens}
+        assert set(manifest["inputs"]) == {"target", "regenerate"}
+        tok = json.loads((Path(stages["tokenize"]["path"]) / "manifest.json").read_text())
+        assert set(tok["inputs"]) == {"target", "short_answers"}  # tokenize read the new stage's output
+        assert stages["tokenize"]["rows_in"] == ours["rows_out"]
+
+        status = {s["stage"]: s for s in stage_status(cfg, target)}
+        assert status["short_answers"]["state"] == "complete"
+        assert status["short_answers"]["fingerprint"] == ours["fingerprint"]
+        assert all(s["state"] == "complete" for s in status.values())
+
+        again = pipeline(cfg)  # everything reused, the new stage included
+        assert {s["stage"]: s["status"] for s in again["stages"]}["short_answers"] == "reused"
+    assert "short_answers" not in stage_names()
+
+
+def test_a_stage_cannot_be_put_before_one_that_reads_two():
+    from draftflow.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="evaluate does not read exactly one stage"):
+        with inserted(SHORT_ANSWERS, before="evaluate"):
+            pass
