@@ -23,7 +23,8 @@ shares the target's) in one `model.safetensors` plus a `config.json`:
   `aux_hidden_state_layer_ids` back with `target_layer_ids = [i - 1 for i in aux]`, so
   speculators ids are boundary indices: draftflow id + 1.
 
-EAGLE-3 (`export_eagle3_vllm`, `export_eagle3_speculators`), the drafter's own weights plus
+EAGLE-3 (`draftflow.export_eagle3`: `export_eagle3_vllm`, `export_eagle3_speculators`; and
+`load_exported` for any export), the drafter's own weights plus
 the `d2t` (int64, draft id -> target id offset) and `t2d` (bool over the target vocabulary)
 tensors, no embedding, no target LM head:
 
@@ -59,7 +60,6 @@ by `load_exported`, so a name vLLM would not recognise fails the export, not the
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -80,8 +80,6 @@ from draftflow.models.dflash import (
     read_weights_and_config,
     write_weights_and_config,
 )
-from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.store import write_local_atomic
 
 # draftflow parameter-name prefix -> exported (vLLM / speculators) prefix. Every exported
@@ -130,7 +128,7 @@ def default_target_name(target_config: Any) -> str:
 # ----------------------------------------------------------------------------- names
 
 
-def _rename(name: str, table: dict[str, str]) -> str:
+def rename_tensor(name: str, table: dict[str, str]) -> str:
     for src, dst in table.items():
         if name.startswith(src):
             return dst + name[len(src):]
@@ -140,13 +138,13 @@ def _rename(name: str, table: dict[str, str]) -> str:
 def export_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """draftflow names -> exported names, dropping the shared embedding and LM head."""
     own = {k: v for k, v in weights.items() if not k.startswith(SHARED_PREFIXES)}
-    return {_rename(k, VLLM_NAMES): v.detach().cpu().contiguous() for k, v in own.items()}
+    return {rename_tensor(k, VLLM_NAMES): v.detach().cpu().contiguous() for k, v in own.items()}
 
 
 def import_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Exported names -> draftflow names (the inverse of `export_state_dict`)."""
     back = {dst: src for src, dst in VLLM_NAMES.items()}
-    return {_rename(k, back): v for k, v in weights.items()}
+    return {rename_tensor(k, back): v for k, v in weights.items()}
 
 
 # ----------------------------------------------------------------------------- configs
@@ -172,11 +170,11 @@ def qwen3_dims(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
         "layer_types": layer_types,
         "sliding_window": window,
         "use_sliding_window": window is not None,
-        "torch_dtype": _dtype_name(target_config),
+        "torch_dtype": dtype_name(target_config),
     }
 
 
-def _dtype_name(target_config: Any) -> str:
+def dtype_name(target_config: Any) -> str:
     dtype = config_dtype(target_config) or "bfloat16"
     return str(dtype).removeprefix("torch.")
 
@@ -299,146 +297,7 @@ def config_from_export(data: dict[str, Any]) -> DFlashConfig:
     return DFlashConfig.from_dict(values)
 
 
-def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFlashDrafter | Eagle3Drafter:
-    """Load an exported folder (either kind, either format) back around `target_model` (round-trip check).
-
-    Raises:
-        StoreError: missing files, or exported weights that do not match the config exactly.
-    """
-    folder = Path(export_dir)
-    data = json.loads((folder / CONFIG_NAME).read_text())
-    if _is_eagle3(data):
-        return load_exported_eagle3(folder, data, target_model)
-    cfg = config_from_export(data)
+def load_exported_dflash(folder: Path, data: dict[str, Any], target_model: torch.nn.Module) -> DFlashDrafter:
+    """An exported DFlash folder back as a `DFlashDrafter` (either format)."""
     weights = import_state_dict(load_file(str(folder / WEIGHTS_NAME)))
-    return load_exact(DFlashDrafter(cfg, target_model), weights, folder)
-
-
-# ----------------------------------------------------------------------------- EAGLE-3
-
-# draftflow name prefix -> speculators name prefix (vLLM native keeps draftflow's names).
-EAGLE3_SPECULATORS_NAMES: dict[str, str] = {
-    "midlayer.": "layers.0.",  # the single decoder layer
-    "fc.": "fc.",  # (D, 3D), no bias
-    "norm.": "norm.",
-    "lm_head.": "lm_head.",  # (draft_vocab_size, D)
-    "d2t": "d2t",
-    "t2d": "t2d",
-}
-EAGLE3_VLLM_NAMES = {k: k for k in EAGLE3_SPECULATORS_NAMES}
-
-
-def _is_eagle3(data: dict[str, Any]) -> bool:
-    return data.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in data.get("architectures", [])
-
-
-def llama_dims(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
-    """The EAGLE-3 layer as the Llama config vLLM's Eagle3LlamaForCausalLM reads."""
-    return {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": 1,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "intermediate_size": cfg.intermediate_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,  # the drafter uses plain RoPE
-        "vocab_size": cfg.vocab_size,  # the target's; the head has draft_vocab_size rows
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": int(getattr(target_config, "max_position_embeddings", 32768)),
-        "torch_dtype": _dtype_name(target_config),
-    }
-
-
-def eagle3_vllm_config(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
-    """config.json of vLLM's native EAGLE-3 layout (see the module docstring)."""
-    aux = [i + 1 for i in cfg.target_layer_ids]  # boundary indices
-    return llama_dims(cfg, target_config) | {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.hidden_size,
-        "norm_before_residual": False,
-        "eagle_aux_hidden_state_layer_ids": aux,
-        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux},
-        "num_target_layers": cfg.num_target_layers,
-        "ttt_steps": cfg.ttt_steps,
-    }
-
-
-def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
-    """config.json in the speculators EAGLE-3 format (see the module docstring)."""
-    verifier = verifier or default_target_name(target_config)
-    return {
-        "speculators_model_type": "eagle3",
-        "architectures": ["Eagle3Speculator"],
-        "transformer_layer_config": llama_dims(cfg, target_config),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "norm_before_residual": False,
-        "target_hidden_size": cfg.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # boundary indices
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.ttt_steps}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier,
-                         "architectures": list(getattr(target_config, "architectures", None) or [])},
-        },
-    }
-
-
-def _eagle3_checkpoint(checkpoint_dir: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
-    config, weights = read_weights_and_config(checkpoint_dir)
-    return Eagle3Config.from_dict(config), {k: v for k, v in weights.items() if not k.startswith(EAGLE3_SHARED)}
-
-
-def _renamed(weights: dict[str, torch.Tensor], table: dict[str, str]) -> dict[str, torch.Tensor]:
-    return {_rename(k, table): v.detach().cpu().contiguous() for k, v in weights.items()}
-
-
-def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
-                       target_name: str | None = None, served_from: str | None = None) -> Path:
-    """Write a folder vLLM serves as an EAGLE-3 speculative model (native layout); arguments as
-    for `export_vllm_dflash`."""
-    cfg, weights = _eagle3_checkpoint(checkpoint_dir)
-    config = eagle3_vllm_config(cfg, target_config)
-    return write_export(out_dir, config, _renamed(weights, EAGLE3_VLLM_NAMES),
-                        target_name or default_target_name(target_config), served_from)
-
-
-def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
-                              target_name: str | None = None, served_from: str | None = None) -> Path:
-    """Write an EAGLE-3 drafter in the speculators format; arguments as for `export_speculators`."""
-    cfg, weights = _eagle3_checkpoint(checkpoint_dir)
-    target_name = target_name or default_target_name(target_config)
-    config = eagle3_speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, _renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from)
-
-
-def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
-    """Rebuild an Eagle3Config from either exported config.json."""
-    dims = data["transformer_layer_config"] if "transformer_layer_config" in data else data
-    ids = [i - 1 for i in data["eagle_aux_hidden_state_layer_ids"]]
-    steps = data.get("ttt_steps") or data.get("speculators_config", {}).get("proposal_methods", [{}])[0].get(
-        "speculative_tokens", 7)
-    return Eagle3Config.from_dict({
-        "hidden_size": dims["hidden_size"], "num_heads": dims["num_attention_heads"],
-        "num_kv_heads": dims["num_key_value_heads"], "head_dim": dims["head_dim"],
-        "intermediate_size": dims["intermediate_size"], "rms_norm_eps": dims["rms_norm_eps"],
-        "rope_theta": dims["rope_theta"], "vocab_size": dims["vocab_size"],
-        "draft_vocab_size": data["draft_vocab_size"], "target_layer_ids": ids,
-        # speculators does not record the target's depth; any valid bound will do
-        "num_target_layers": data.get("num_target_layers") or max(ids) + 2, "ttt_steps": steps,
-    })
-
-
-def load_exported_eagle3(folder: Path, data: dict[str, Any], target_model: torch.nn.Module) -> Eagle3Drafter:
-    """An exported EAGLE-3 folder back as an `Eagle3Drafter` (either format)."""
-    table = EAGLE3_SPECULATORS_NAMES if data.get("speculators_model_type") == "eagle3" else EAGLE3_VLLM_NAMES
-    back = {dst: src for src, dst in table.items()}
-    weights = {_rename(k, back): v for k, v in load_file(str(folder / WEIGHTS_NAME)).items()}
-    return Eagle3Drafter.from_weights(eagle3_config_from_export(data), weights, target_model, str(folder))
+    return load_exact(DFlashDrafter(config_from_export(data), target_model), weights, folder)

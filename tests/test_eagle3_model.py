@@ -18,7 +18,7 @@ import draftflow.models.eagle3 as e3
 from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.errors import ConfigError
-from draftflow.export import export_eagle3_speculators, export_eagle3_vllm, load_exported
+from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm, load_exported
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain, ttt_attention_mask

@@ -15,8 +15,8 @@ from draftflow.errors import StoreError
 from draftflow.export import (
     export_speculators,
     export_vllm_dflash,
-    load_exported,
 )
+from draftflow.export_eagle3 import load_exported
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
 from tests.conftest import MASK_ID
 

@@ -12,12 +12,11 @@ import pytest
 
 from draftflow.config import DrafterConfig
 from draftflow.export import (
-    export_eagle3_speculators,
-    export_eagle3_vllm,
     export_files,
     export_speculators,
     export_vllm_dflash,
 )
+from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.export_readme import portable_target_name, serve_command, serve_command_for
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter

@@ -122,3 +122,11 @@ def test_the_cycle_finder_finds_function_level_and_relative_cycles(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
     (pkg / "sub/c.py").write_text("import os\nimport pkg\n")  # the package itself, no module of the cycle
     assert cycles(import_graph(tmp_path, ("pkg",))) == []
+
+
+def test_no_module_is_over_400_lines():
+    """CONVENTIONS: files under ~400 lines; a file that grows past it is split by responsibility."""
+    root = Path(__file__).resolve().parent.parent
+    long = {str(p.relative_to(root)): n for pkg in ("draftflow", "flows", "tasks") for p in (root / pkg).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

@@ -24,12 +24,11 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.export import (
-    export_eagle3_speculators,
-    export_eagle3_vllm,
     export_files,
     export_speculators,
     export_vllm_dflash,
 )
+from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.export_readme import portable_target_name, serve_command_for
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
