@@ -173,7 +173,15 @@ class Store:
         path = self.stage_path(stage, fingerprint, MANIFEST)
         if not self.exists(path):
             return None
-        manifest = self.read_json(path)
+        from draftflow.contracts import check_manifest
+
+        try:
+            manifest = check_manifest(self.read_json(path), self.url(path))
+        except ValueError:  # not JSON (a torn or foreign file): recomputed, never returned
+            log.warning("%s is not JSON; the stage will be recomputed", self.url(path))
+            return None
+        if manifest is None:
+            return None
         try:
             for shard in manifest["shards"] + manifest.get("rejected", []):
                 self._check_shard(stage, fingerprint, shard)

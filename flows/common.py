@@ -18,6 +18,7 @@ from prefect.futures import as_completed
 
 from draftflow import progress
 from draftflow.config import RunConfig
+from draftflow.contracts import StageResult
 from draftflow.report import location_uri
 from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.stages.registry import stage_gpus
@@ -50,10 +51,13 @@ def with_storage(task_fn, store: Store):
 
 
 def stage_result(store: Store, stage: str, fp: str, manifest: dict, status: str) -> dict[str, Any]:
-    return {
+    """What a stage flow returns (checked against `contracts.StageResult`)."""
+    result = {
         "stage": stage, "fingerprint": fp, "status": status, "digest": manifest_digest(manifest),
         "path": store.url(store.stage_path(stage, fp)), "manifest": manifest,
     }
+    StageResult.model_validate(result)
+    return result
 
 
 def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, str, dict | None]:

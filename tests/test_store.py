@@ -21,7 +21,9 @@ def test_writing_commits_atomically_and_cleans_up_on_error(tmp_path):
 
 
 def _manifest(entry):
-    return {"stage": "s", "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}}
+    """A complete manifest (`contracts.Manifest`) listing one shard."""
+    return {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
+            "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0, "extra": {}}
 
 
 def test_manifest_is_the_completion_marker_and_verifies_shards(tmp_path):

@@ -26,7 +26,8 @@ def test_atomic_write_manifest_and_checksum_on_s3(s3_root):
     with store.writing(store.stage_path("s", "fp", "x.bin")) as tmp:
         open(tmp, "wb").write(b"payload")
         entry = shard_entry("x.bin", tmp, rows=1)
-    manifest = {"shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}}
+    manifest = {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
+                "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0, "extra": {}}
     store.write_manifest("s", "fp", manifest)
     assert store.read_manifest("s", "fp")["shards"][0]["sha256"] == entry["sha256"]
     assert open(store.verify_sha("s", "fp", entry), "rb").read() == b"payload"

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from draftflow.config import STAGE_SECTIONS, RunConfig
+from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardResult
 from draftflow.data.schema import REJECTED, write_rows
 from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
 
@@ -73,6 +74,7 @@ def shard_result(entry: dict | None, rejected: dict | None, rows_in: int, rows_o
     result = {"shard": entry, "rejected": rejected, "rows_in": rows_in, "rows_out": rows_out,
               "dropped": dict(sorted(dict(dropped).items())), **extra}
     check_accounting(result, entry["name"] if entry else "shard")
+    ShardResult.model_validate(result)  # the typed contract: entries complete, counts non-negative
     return result
 
 
@@ -90,6 +92,7 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
     for r in results:
         dropped.update(r["dropped"])
     manifest = {
+        "version": MANIFEST_VERSION,
         "stage": stage,
         "fingerprint": fp,
         "code_version": code_version(stage),
@@ -104,6 +107,7 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
         "extra": extra or {},
     }
     check_accounting(manifest, stage)
+    Manifest.model_validate(manifest)  # the typed contract, before anything is written
     store.write_manifest(stage, fp, manifest)
     log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"],
              manifest["dropped"])

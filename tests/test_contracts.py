@@ -1,0 +1,74 @@
+"""The typed contracts between stages: what is checked where, old manifests read, newer ones refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from draftflow.contracts import MANIFEST_VERSION, ManifestError, ShardResult, StageResult
+from draftflow.stages.common import finalize, shard_result, write_parquet
+from draftflow.store import Store
+
+SHA = "0" * 64
+
+
+def test_a_shard_result_that_loses_rows_or_has_a_bad_entry_is_refused():
+    entry = {"name": "a.parquet", "rows": 2, "tokens": 0, "bytes": 10, "sha256": SHA, "split": "train"}
+    ShardResult.model_validate({"shard": entry, "rejected": None, "rows_in": 3, "rows_out": 2, "dropped": {"x": 1}})
+    with pytest.raises(ValidationError, match="1 rows unaccounted for"):
+        ShardResult.model_validate({"shard": entry, "rejected": None, "rows_in": 3, "rows_out": 2, "dropped": {}})
+    with pytest.raises(ValidationError, match="sha256"):
+        ShardResult.model_validate({"shard": entry | {"sha256": "nope"}, "rejected": None, "rows_in": 2,
+                                    "rows_out": 2, "dropped": {}})
+
+
+def _written(tmp_path, monkeypatch):
+    """A real one-shard stage written through finalize (config sections of the curate stage)."""
+    import pyarrow as pa
+
+    from draftflow.config import RunConfig
+
+    store = Store(str(tmp_path / "root"))
+    entry = write_parquet(store, "curate", "fp1", "part-0.parquet", [{"x": 1}, {"x": 2}],
+                          pa.schema([("x", pa.int64())]), split="train")
+    result = shard_result(entry, None, rows_in=3, rows_out=2, dropped={"too_short": 1})
+    manifest = finalize(store, "curate", "fp1", RunConfig(), {"sources": "s"}, [result])
+    return store, manifest
+
+
+def test_finalize_writes_a_versioned_manifest_that_reads_back(tmp_path, monkeypatch):
+    store, manifest = _written(tmp_path, monkeypatch)
+    assert manifest["version"] == MANIFEST_VERSION
+    assert store.read_manifest("curate", "fp1") == manifest
+    StageResult.model_validate({"stage": "curate", "fingerprint": "fp1", "status": "reused", "digest": "d",
+                                "path": "p", "manifest": manifest})
+
+
+def test_a_manifest_from_before_versions_is_read(tmp_path, monkeypatch):
+    store, manifest = _written(tmp_path, monkeypatch)
+    path = store.stage_path("curate", "fp1", "manifest.json")
+    old = {k: v for k, v in manifest.items() if k != "version"}
+    store.write_json(path, old)
+    assert store.read_manifest("curate", "fp1") == old
+
+
+def test_a_manifest_from_a_newer_draftflow_is_refused_in_one_line(tmp_path, monkeypatch):
+    store, manifest = _written(tmp_path, monkeypatch)
+    path = store.stage_path("curate", "fp1", "manifest.json")
+    store.write_json(path, manifest | {"version": MANIFEST_VERSION + 1})
+    with pytest.raises(ManifestError, match="written by a newer draftflow") as err:
+        store.read_manifest("curate", "fp1")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("damage", ["torn", "foreign", "lost rows"])
+def test_a_damaged_manifest_means_the_stage_is_recomputed(tmp_path, monkeypatch, damage):
+    store, manifest = _written(tmp_path, monkeypatch)
+    path = store.stage_path("curate", "fp1", "manifest.json")
+    text = json.dumps(manifest)
+    with open(path, "w") as fh:
+        fh.write({"torn": text[: len(text) // 2], "foreign": json.dumps({"hello": 1}),
+                  "lost rows": json.dumps(manifest | {"rows_out": 1})}[damage])
+    assert store.read_manifest("curate", "fp1") is None
