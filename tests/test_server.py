@@ -169,7 +169,7 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
             assert counts.type == "table" and counts.flow_run_id == runs[stage][0].id
         (regen,) = arts[f"{NAME}-regenerate-progress"]
         assert regen.type == "progress" and float(regen.data) == 100.0
-        assert regen.description.startswith("regenerate 43/43 rows") and "rows/s" in regen.description
+        assert regen.description.startswith("regenerate 43/43 rows")  # its speed shows only after a second
         assert float(arts[f"{NAME}-train-progress"][0].data) == 100.0
         (rate,) = arts[f"{NAME}-regenerate-throughput"]
         assert '"rows": 43' in rate.data and '"rows/s"' in rate.data
