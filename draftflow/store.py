@@ -48,6 +48,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow"))
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it; done once, at import, before any thread writes
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
+def shared_mode(directory: bool = False) -> int:
+    """The mode a plain new file (or folder) gets under the process's umask: 0644 (0755) under 022."""
+    return (0o777 if directory else 0o666) & ~_UMASK
+
+
 def write_local_atomic(path: str | Path, write) -> None:
     """`write(tmp)` to a temporary name beside `path`, then rename over it: whole or absent."""
     path = Path(path)
@@ -127,6 +141,7 @@ class Store:
 
     def _commit(self, tmp: str, dest: str) -> None:
         if self.is_local:
+            os.chmod(tmp, shared_mode())  # mkstemp makes 0600: a serving job or a teammate must read runs
             os.replace(tmp, dest)
         else:
             self.fs.put_file(tmp, dest)  # one PUT: the object appears whole or not at all

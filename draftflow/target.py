@@ -26,7 +26,7 @@ from pathlib import Path
 from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir, write_local_atomic
+from draftflow.store import default_cache_dir, shared_mode, write_local_atomic
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:
     if not (out / ".complete").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=out.parent))
+        tmp.chmod(shared_mode(directory=True))  # mkdtemp makes 0700
         with _LOAD_LOCK, quiet_progress():  # construction must not overlap a from_pretrained elsewhere
             _write_tiny_target(cfg, tmp)
         (tmp / ".complete").write_text(folder_fingerprint(tmp))

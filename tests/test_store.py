@@ -70,3 +70,21 @@ def test_fingerprint_depends_on_config_inputs_and_nothing_else():
     assert base != stage_fingerprint("tokenize", {"tokenize": {"max_length": 8}}, {"regenerate": "b"})
     assert base != stage_fingerprint("extract", {"tokenize": {"max_length": 8}}, {"regenerate": "a"})
     json.dumps(base)
+
+
+def test_committed_files_follow_the_umask_not_mkstemps_0600(tmp_path):
+    """A serving job or a teammate under another uid must be able to read a run (0644 under umask 022)."""
+    import stat
+
+    from draftflow.store import shared_mode
+
+    store = Store(str(tmp_path))
+    store.write_json(store.stage_path("s", "fp", "a.json"), {"a": 1})
+    mode = stat.S_IMODE(os.stat(store.stage_path("s", "fp", "a.json")).st_mode)
+    assert mode == shared_mode() == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
