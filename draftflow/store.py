@@ -215,6 +215,10 @@ class Store:
         if size <= SHA_ON_REUSE_MAX_BYTES and self.is_local and sha256_file(path) != shard["sha256"]:
             raise StoreError(f"shard {self.url(path)} fails its checksum")
 
+    def sha_matches(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> bool:
+        """Whether the committed shard's bytes still have its manifest entry's sha256 (streamed, no copy)."""
+        return sha256_file(self.stage_path(stage, fingerprint, shard["name"]), self.fs) == shard["sha256"]
+
     def verify_sha(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> str:
         """Local path of a shard whose sha256 matches its manifest entry."""
         local = self.local_path(self.stage_path(stage, fingerprint, shard["name"]), shard["sha256"])

@@ -95,12 +95,14 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
 
 def _damaged(store: Store, stage: str, fp: str, futures, results: list[dict],
              verify: Callable[[list[dict]], set[str]] | None) -> list[int]:
-    """Positions of results taken from the cache whose shard is missing or fails `verify`."""
+    """Positions of results taken from the cache whose shard is missing or damaged: it fails `verify`
+    (extract: sizes, then sha256), or by default its sha256 (every other stage: parquet shards are small).
+    A damaged shard is recomputed, so a re-run never gets stuck on the cache handing it back."""
     stage_dir = store.stage_path(stage, fp)
     cached = [r["shard"] for f, r in zip(futures, results) if f.state.name == "Cached" and r["shard"]]
     bad = {e["name"] for e in cached if not store.exists(f"{stage_dir}/{e['name']}")}
-    if verify is not None:
-        bad |= set(verify([e for e in cached if e["name"] not in bad]))
+    verify = verify or (lambda entries: {e["name"] for e in entries if not store.sha_matches(stage, fp, e)})
+    bad |= set(verify([e for e in cached if e["name"] not in bad]))
     redo = [i for i, r in enumerate(results) if r["shard"] and r["shard"]["name"] in bad]
     for i in redo:
         get_run_logger().warning("cached shard %s is missing or damaged; recomputing", results[i]["shard"]["name"])
