@@ -27,7 +27,7 @@ from draftflow.models.dflash import DFlashConfig, DFlashDrafter
 from draftflow.training.batches import total_steps, warmup_cosine
 from draftflow.training.distributed import DistEnv
 from draftflow.training.loop import _Run, _train_step
-from draftflow.training.objectives import make_objective
+from draftflow.training.objectives import DFlashObjective
 
 TINY = dict(hidden=64, inter=128, heads=4, kv=2, vocab=320, layers=1, block=4, anchors=16, seq=128)
 QWEN3_8B = dict(hidden=4096, inter=12288, heads=32, kv=8, vocab=151936, layers=5, block=16, anchors=512, seq=3072)
@@ -63,7 +63,7 @@ def build(shape: dict, device: torch.device, backend: str) -> tuple[_Run, list[F
     T = shape["seq"]
     samples = [FeatureSample("b", torch.randint(0, shape["vocab"] - 1, (T,)), torch.ones(T, dtype=torch.bool),
                              torch.randn(T, 5, shape["hidden"], dtype=dtype))]
-    run = _Run(drafter, opt, sched, samples, tcfg, make_objective(dcfg, tcfg), total_steps(1, tcfg), "",
+    run = _Run(drafter, opt, sched, samples, tcfg, DFlashObjective(dcfg, tcfg), total_steps(1, tcfg), "",
                {}, device, DistEnv(), None)
     return run, samples
 

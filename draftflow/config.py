@@ -174,7 +174,8 @@ class DrafterConfig(Section):
     `target_layer_ids` (3 taps), `ttt_steps`, `ttt_decay` and `attn_backend`, always has one
     decoder layer (`num_layers` must be left unset or 1) and ignores `num_taps`."""
 
-    kind: Literal["dflash", "eagle3"] = Field("dflash", description="drafter algorithm")
+    kind: str = Field("dflash", description="drafter algorithm: a kind of the drafter registry "
+                      "(`draftflow.drafters`: dflash, eagle3), checked at preflight")
     num_layers: int = Field(5, ge=1)
     block_size: int = Field(16, ge=2)
     num_taps: int = Field(5, ge=1)

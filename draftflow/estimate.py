@@ -17,6 +17,7 @@ import os
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.drafters import DRAFTERS, drafter_spec, feature_ids
 from draftflow.errors import ConfigError
 from draftflow.stages.common import data_shards
 from draftflow.stages.registry import stage_names, upstream_of
@@ -198,15 +199,13 @@ def hardware(device: str) -> tuple[str, float, float]:
 
 def model_shape(cfg: RunConfig, target: TargetRef) -> dict[str, Any]:
     """Target FLOPs per token, weight bytes, taps and widths, from config.json only."""
-    from draftflow.stages.extract import drafter_layer_ids
-
     tc = target_config(cfg, target)
     D, heads = tc.hidden_size, tc.num_attention_heads
     hd = getattr(tc, "head_dim", None) or D // heads
     layer = D * hd * 2 * (heads + getattr(tc, "num_key_value_heads", heads)) + 3 * D * tc.intermediate_size
     head = tc.vocab_size * D
     params = tc.num_hidden_layers * layer + head * (1 if getattr(tc, "tie_word_embeddings", False) else 2)
-    return {"hidden": D, "taps": len(drafter_layer_ids(cfg, tc.num_hidden_layers)), "layer_params": layer,
+    return {"hidden": D, "taps": len(feature_ids(cfg.drafter, tc.num_hidden_layers)), "layer_params": layer,
             "head_params": head, "flops_per_token": 2 * (tc.num_hidden_layers * layer + head), "params": params}
 
 
@@ -240,12 +239,11 @@ def stage_seconds(stage: str, cfg: RunConfig, size: dict, shape: dict, prompt_to
 
 
 def _train_flops(cfg: RunConfig, size: dict, shape: dict) -> float:
-    """6 x drafter params x (block + context tokens) + 4 x LM head x block tokens, per sequence seen
+    """The drafter kind's cost model (`DrafterSpec.train_flops`) per sequence seen
     (+ the target's forward per sequence in online mode)."""
     seqs = size["rows"] * size.get("passes", _passes(cfg, size["rows"]))
     T = size["tokens"] / max(1.0, seqs)  # mean sequence length
-    Q = min(cfg.train.num_anchors, T) * cfg.drafter.block_size
-    per = 6 * cfg.drafter.num_layers * shape["layer_params"] * (Q + T) + 4 * shape["head_params"] * Q
+    per = drafter_spec(cfg.drafter.kind).train_flops(cfg, T, shape)
     if cfg.extract.mode == "online":
         per += shape["flops_per_token"] * T
     return per * seqs
@@ -260,8 +258,8 @@ def assumptions() -> list[str]:
         f"forward passes (prefill, extract) at {MFU_FORWARD:.0%} of peak FLOP/s: 2 x params FLOPs per token",
         f"decoding at {DECODE_BW:.0%} of memory bandwidth per weight read, x batch (vllm: {VLLM_BATCH}), "
         "capped by compute; openai endpoints: unknown",
-        f"training at {MFU_TRAIN:.0%} of peak: 6 x drafter params x (anchors x block + context) "
-        "+ 4 x LM head x block tokens per sequence (+ the target's forward when extract.mode=online)",
+        f"training at {MFU_TRAIN:.0%} of peak, FLOPs per sequence by drafter kind: "
+        + "; ".join(s.cost_note for s in DRAFTERS.values()) + " (+ the target's forward when extract.mode=online)",
         "evaluate: baseline and speculative decoding at batch 1, each token a full weight read (tau = 1)",
         f"sizes without a manifest are upper bounds: source rows before filters, prompt = bytes/row / "
         f"{CHARS_PER_TOKEN}, every answer max_new_tokens long, one sequence per conversation",

@@ -27,10 +27,10 @@ from collections.abc import Callable
 import torch
 
 from draftflow.config import EvaluateConfig
+from draftflow.drafters import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.layers import hf_hidden_state_index
-from draftflow.models.dflash import DFlashDrafter, block_attention_mask
-from draftflow.models.eagle3 import Eagle3Drafter, draft_chain
+from draftflow.models.dflash import DFlashDrafter
 
 logger = logging.getLogger(__name__)
 RoundFn = Callable[[torch.Tensor], torch.Tensor]
@@ -62,39 +62,19 @@ def capture_taps(target, ids: list[int], layer_ids: list[int],
     return out.logits[0], feats
 
 
-@torch.no_grad()
-def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch.Tensor:
-    """Drafter logits (B, V) for the block [anchor, mask x (B-1)] placed at position C.
-
-    Args:
-        anchor: the token at position C (the target's latest greedy token).
-        ctx: (C, n_taps * D) tap features of positions 0..C-1 (strictly before the anchor).
-    """
-    cfg, C = drafter.config, ctx.shape[0]
-    device = drafter.fc.weight.device
-    block_ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
-    block_ids[0, 0] = anchor
-    block_pos = torch.arange(C, C + cfg.block_size, device=device)[None]
-    ctx_pos = torch.arange(C, device=device)[None]
-    mask = block_attention_mask(torch.tensor([C], device=device), cfg.block_size, C)[None]
-    return drafter(block_ids, block_pos, ctx[None].to(device), ctx_pos, mask)[0]
-
-
-def propose(drafter: DFlashDrafter | Eagle3Drafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
-    """Greedy drafts for positions len(seq)+1 onwards.
+def propose(drafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
+    """Greedy drafts for positions len(seq)+1 onwards, by the drafter kind's proposer (`DrafterSpec.propose`).
 
     Args:
         seq: the tokens the target has read (positions 0..n-1); anchor: its newest token (position n).
         ctx: (n, n_taps * D) tap features of positions 0..n-1.
     """
-    if isinstance(drafter, Eagle3Drafter):  # EAGLE-3: row p pairs h_p with token p+1
-        return draft_chain(drafter, ctx, seq[1:] + [anchor], drafter.config.ttt_steps)[0]
-    return draft_block(drafter, anchor, ctx)[1:].argmax(-1).tolist()
+    return spec_for_architecture(drafter.config.architecture).propose(drafter, seq, anchor, ctx)
 
 
-def drafts_per_step(drafter: DFlashDrafter | Eagle3Drafter) -> int:
+def drafts_per_step(drafter) -> int:
     """Most drafts one step can accept: B-1 (DFlash) or the chain depth (EAGLE-3)."""
-    return drafter.config.ttt_steps if isinstance(drafter, Eagle3Drafter) else drafter.config.block_size - 1
+    return spec_for_architecture(drafter.config.architecture).drafts_per_step(drafter.config)
 
 
 def _accept(drafts: list[int], target_next: list[int]) -> int:

@@ -108,11 +108,6 @@ MODELING_NAME = "modeling_dflash.py"
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
-def export_files(kind: str, fmt: str) -> tuple[str, ...]:
-    """The files an export folder of drafter `kind` ("dflash" | "eagle3") in `fmt` ("vllm" | "speculators") holds."""
-    return EXPORT_FILES + ((MODELING_NAME,) if (kind, fmt) == ("dflash", "vllm") else ())
-
-
 def modeling_file() -> Path:
     """draftflow's transformers modeling file for DFlash exports (imports only torch and transformers)."""
     from draftflow.models import modeling_dflash  # imported, not only located: the train stage's code hash sees it
@@ -251,7 +246,7 @@ def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_c
         served_from: the folder's path or URL for the README's serve line; default `out_dir`.
 
     Returns:
-        `out_dir` as a Path, holding `export_files("dflash", "vllm")`.
+        `out_dir` as a Path, holding `EXPORT_FILES` and `MODELING_NAME`.
     """
     cfg, weights = _read_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)

@@ -38,6 +38,25 @@ def default_dflash_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
     return [int(1 + i * span / (num_taps - 1) + 0.5) for i in range(num_taps)]
 
 
+def check_tap_count(layer_ids: list[int], num_taps: int) -> None:
+    """DFlash: explicit taps must number `drafter.num_taps` (target-free, so preflight checks it first)."""
+    if len(layer_ids) != num_taps:
+        raise ConfigError(f"drafter.target_layer_ids has {len(layer_ids)} ids but drafter.num_taps is "
+                          f"{num_taps}; make them agree")
+
+
+def dflash_taps(layer_ids: list[int] | None, num_taps: int, num_target_layers: int) -> list[int]:
+    """DFlash's taps: the given ids, else the paper's default; validated against the target, then counted.
+
+    Raises:
+        ConfigError: ids `validate_layer_ids` refuses, or not `num_taps` of them.
+    """
+    ids = list(layer_ids) if layer_ids is not None else default_dflash_layer_ids(num_target_layers, num_taps)
+    validate_layer_ids(ids, num_target_layers)
+    check_tap_count(ids, num_taps)
+    return ids
+
+
 FINAL = -1  # feature id of the target's final normed hidden state (not a decoder layer)
 
 
@@ -67,10 +86,15 @@ def eagle3_taps(layer_ids: list[int] | None, num_target_layers: int) -> list[int
             shallower than 7 layers makes the default ids collide: set them explicitly).
     """
     ids = list(layer_ids) if layer_ids is not None else default_eagle3_layer_ids(num_target_layers)
-    if len(ids) != 3:
-        raise ConfigError(f"drafter.kind=eagle3 fuses exactly 3 taps (low, mid, high), but "
-                          f"drafter.target_layer_ids has {len(ids)}: {ids}; give 3 ids or leave it null")
+    check_eagle3_count(ids)
     return validate_layer_ids(ids, num_target_layers)
+
+
+def check_eagle3_count(layer_ids: list[int]) -> None:
+    """EAGLE-3 fuses exactly three taps (target-free, so preflight checks it first)."""
+    if len(layer_ids) != 3:
+        raise ConfigError(f"drafter.kind=eagle3 fuses exactly 3 taps (low, mid, high), but drafter.target_layer_ids "
+                          f"has {len(layer_ids)}: {list(layer_ids)}; give 3 ids or leave it null")
 
 
 def hf_hidden_state_index(layer_id: int) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.drafters import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.estimate import (
     CHARS_PER_TOKEN,
@@ -40,7 +41,9 @@ from draftflow.target import TargetRef, resolve_target
 
 log = logging.getLogger(__name__)
 def preflight(cfg: RunConfig) -> TargetRef:
-    """Fail fast, before any work, on unreachable sources, a bad target, its chat template, or bad taps."""
+    """Fail fast, before any work, on a bad drafter section, unreachable sources, a bad target, its chat
+    template, or bad taps."""
+    check_drafter(cfg.drafter)  # target-free: kind, tap count, layer types (one line each)
     check_sources(cfg.curate)
     target = resolve_target(cfg.target)
     _check_taps(cfg, target)
@@ -78,9 +81,8 @@ def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
 
 
 def _check_taps(cfg: RunConfig, target: TargetRef) -> None:
-    from draftflow.stages.extract import drafter_layer_ids
-
-    drafter_layer_ids(cfg, target_config(cfg, target).num_hidden_layers)
+    """The taps every stage will use, resolved and validated against the target once, here first."""
+    feature_ids(cfg.drafter, target_config(cfg, target).num_hidden_layers)
 
 
 # ----------------------------------------------------------------------------- space
@@ -107,10 +109,8 @@ def check_space(cfg: RunConfig, tokenize_manifest: dict[str, Any], target: Targe
     whose bytes already written (a resumed run) count as done.
     Returns {"needed", "free", "done"} in bytes. Raises DraftflowError unless it fits or `extract.force`.
     """
-    from draftflow.stages.extract import drafter_layer_ids
-
     tcfg = target_config(cfg, target)
-    taps = len(drafter_layer_ids(cfg, tcfg.num_hidden_layers))
+    taps = len(feature_ids(cfg.drafter, tcfg.num_hidden_layers))
     # + the largest shard again: a shard's in-shard checkpoint parts live until it is merged.
     largest = max((int(s["tokens"]) for s in data_shards(tokenize_manifest, "train")), default=0)
     needed = feature_bytes(cfg, train_tokens(tokenize_manifest) + largest, taps, tcfg.hidden_size)

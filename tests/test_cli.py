@@ -37,7 +37,8 @@ def test_source_path_that_does_not_exist(tmp_path):
 
 
 def test_layer_id_out_of_range_is_a_config_error(tmp_path):
-    proc = _cli("plan", "configs/tiny.yaml", "--set", f"root={tmp_path}/r", "--set", "drafter.target_layer_ids=[1,3,8]")
+    proc = _cli("plan", "configs/tiny.yaml", "--set", f"root={tmp_path}/r", "--set", "drafter.target_layer_ids=[1,3,8]",
+                "--set", "drafter.num_taps=3")
     _one_line_error(proc, "drafter.target_layer_ids contains 8")
 
 

@@ -57,10 +57,10 @@ def test_eagle3_pipeline_with_online_features(prefect_harness, tmp_path):
 def test_eagle3_settings_that_cannot_work_are_one_line_config_errors(tmp_path, bad, match):
     from draftflow.capture import make_capture_engine
     from draftflow.config import TargetConfig
+    from draftflow.drafters import feature_ids
     from draftflow.errors import ConfigError
-    from draftflow.stages.extract import drafter_layer_ids
 
     cfg = eagle3_config(tmp_path / "run", *bad)
     with pytest.raises(ConfigError, match=match):
-        ids = drafter_layer_ids(cfg, TargetConfig().tiny.num_layers)
+        ids = feature_ids(cfg.drafter, TargetConfig().tiny.num_layers)
         make_capture_engine(cfg.extract.engine, "unused", ids, vllm_cfg=cfg.regenerate.vllm)

@@ -7,11 +7,12 @@ import torch
 
 import draftflow.evaluate as ev
 from draftflow.config import EvaluateConfig, TrainConfig
+from draftflow.drafters import dflash as dflash_kind
+from draftflow.drafters.dflash import draft_block
 from draftflow.errors import LosslessError
 from draftflow.evaluate import (
     acceptance_stats,
     capture_taps,
-    draft_block,
     evaluate_prompts,
     greedy_generate,
     speculative_generate,
@@ -109,7 +110,7 @@ def scripted_drafter(monkeypatch, continuation, wrong=False):
             nxt = (nxt + 1) % 320
         return torch.nn.functional.one_hot(nxt, 320).float()
 
-    monkeypatch.setattr(ev, "draft_block", fake)
+    monkeypatch.setattr(dflash_kind, "draft_block", fake)
 
 
 def test_perfect_drafts_accept_whole_blocks(monkeypatch, target, untrained, prompts):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import DrafterConfig
+from draftflow.drafters import drafter_spec
 from draftflow.export import (
-    export_files,
     export_speculators,
     export_vllm_dflash,
 )
@@ -53,7 +53,7 @@ def test_readme_holds_the_exact_serve_line(tmp_path, checkpoints, target, kind, 
             f"'{{\"method\": \"{method}\", \"model\": \"{out.resolve()}\", \"num_speculative_tokens\": {tokens}}}'")
     assert line in readme.splitlines()
     assert serve_command_for(out, "Qwen/Qwen3-8B") == line
-    assert sorted(p.name for p in out.iterdir()) == sorted(export_files(kind, fmt))
+    assert sorted(p.name for p in out.iterdir()) == sorted(drafter_spec(kind).export_files(fmt))
     if fmt == "speculators":  # served on its own too: vLLM reads the verifier from config.json
         assert f"vllm serve {out.resolve()}" in readme.splitlines()
         assert json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] == \

@@ -14,7 +14,7 @@ from typing import Any
 from draftflow.compat import rope_scaling, rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError
-from draftflow.layers import default_dflash_layer_ids, validate_layer_ids
+from draftflow.layers import dflash_taps
 from draftflow.models.attention import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,22 @@ def target_dims(target_config: Any) -> dict[str, Any]:
         "rope_theta": rope_theta(target_config),
         "vocab_size": int(target_config.vocab_size),
     }
+
+
+def check_layer_types(layer_types: list[str] | None, num_layers: int, sliding_window: int | None) -> None:
+    """`drafter.layer_types`: one known type per layer, and a window for sliding layers (needs no target).
+
+    Raises:
+        ConfigError: one line naming the setting.
+    """
+    types = layer_types or []
+    if layer_types is not None and len(types) != num_layers:
+        raise ConfigError(f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {num_layers}")
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad:
+        raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
+    if "sliding_attention" in types and not (sliding_window or 0) >= 1:
+        raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
 
 
 @dataclass
@@ -86,13 +102,7 @@ class DFlashConfig:
         n_layers = int(target_config.num_hidden_layers)
         if scaling := rope_scaling(target_config):
             logger.warning("target rope_scaling %s is ignored: the drafter uses plain RoPE", scaling)
-        ids = drafter.target_layer_ids or default_dflash_layer_ids(n_layers, drafter.num_taps)
-        validate_layer_ids(ids, n_layers)
-        if len(ids) != drafter.num_taps:
-            raise ConfigError(
-                f"drafter.target_layer_ids has {len(ids)} ids but drafter.num_taps is "
-                f"{drafter.num_taps}; make them agree"
-            )
+        ids = dflash_taps(drafter.target_layer_ids, drafter.num_taps, n_layers)
         mask_id = drafter.mask_token_id if drafter.mask_token_id is not None else mask_token_id
         if mask_id is None:
             raise ConfigError("no mask token id: set drafter.mask_token_id or pass len(tokenizer)")
@@ -129,16 +139,7 @@ class DFlashConfig:
         self._validate_layer_types()
 
     def _validate_layer_types(self) -> None:
-        types = self.layer_types or []
-        if self.layer_types is not None and len(types) != self.num_layers:
-            raise ConfigError(
-                f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {self.num_layers}"
-            )
-        bad = sorted(set(types) - set(LAYER_TYPES))
-        if bad:
-            raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
-        if "sliding_attention" in types and not (self.sliding_window or 0) >= 1:
-            raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
+        check_layer_types(self.layer_types, self.num_layers, self.sliding_window)
 
     def layer_type(self, i: int) -> str:
         """Attention kind of layer i ("full_attention" when `layer_types` is unset)."""

@@ -73,6 +73,13 @@ SHARED_PREFIXES = ("embed_tokens.", "target_head.")
 # ----------------------------------------------------------------------------- config
 
 
+def check_one_layer(drafter: DrafterConfig) -> None:
+    """EAGLE-3 has exactly one decoder layer: `drafter.num_layers` unset or 1 (needs no target)."""
+    if "num_layers" in drafter.model_fields_set and drafter.num_layers != 1:
+        raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
+                          f"{drafter.num_layers}; remove it or set 1")
+
+
 @dataclass
 class Eagle3Config:
     """Drafter shape: dims copied from the target, taps and unroll from `DrafterConfig`."""
@@ -104,9 +111,7 @@ class Eagle3Config:
         Raises:
             ConfigError: bad taps, or `drafter.num_layers` set to anything but 1.
         """
-        if "num_layers" in drafter.model_fields_set and drafter.num_layers != 1:
-            raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
-                              f"{drafter.num_layers}; remove it or set 1")
+        check_one_layer(drafter)
         n_layers = int(target_config.num_hidden_layers)
         cfg = cls(
             **target_dims(target_config),

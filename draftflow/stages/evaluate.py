@@ -23,6 +23,7 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
+from draftflow.drafters import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.features import round_trip
 from draftflow.stages.common import data_shards, finalize
@@ -54,15 +55,12 @@ def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: b
 
 def load_drafter(store: Store, trained: dict[str, Any], model):
     """The trained drafter around the target's shared embedding and head (checksums verified)."""
-    from draftflow.models.dflash import DFlashDrafter
-    from draftflow.models.eagle3 import Eagle3Drafter
-
     with tempfile.TemporaryDirectory(prefix="draftflow-drafter-") as folder:
         for s in trained["manifest"]["shards"]:
             local = store.verify_sha("train", trained["fingerprint"], s)
             (Path(folder) / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
         arch = json.loads((Path(folder) / "config.json").read_text()).get("architecture")
-        return (Eagle3Drafter if arch == "Eagle3Drafter" else DFlashDrafter).load(folder, model)
+        return spec_for_architecture(arch).model.load(folder, model)
 
 
 class ServingMismatch(DraftflowError):
@@ -89,9 +87,7 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
 
 
 def _drafting(cfg: RunConfig) -> str:
-    if cfg.drafter.kind == "eagle3":
-        return f"EAGLE-3 chain of {cfg.drafter.ttt_steps} drafts per step"
-    return f"block size {cfg.drafter.block_size}"
+    return drafter_spec(cfg.drafter.kind).drafting(cfg.drafter)
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],

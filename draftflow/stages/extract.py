@@ -1,8 +1,9 @@
 """Extract: the target's hidden states at the drafter's taps, packed in feature shards.
 
 Tap ids follow DFlash semantics (`draftflow.layers`): id L is the output of
-decoder layer L, `hidden_states[L + 1]`; for `drafter.kind: eagle3` the three
-taps are followed by `layers.FINAL`, the target's final normed hidden state. A capture engine (`draftflow.capture`:
+decoder layer L, `hidden_states[L + 1]`; the ids stored are the drafter kind's
+(`draftflow.drafters.feature_ids`; EAGLE-3 adds `layers.FINAL`, the target's final normed state).
+A capture engine (`draftflow.capture`:
 transformers hooks on the tap layers only, or vLLM) runs length-sorted batches,
 halved on CUDA out-of-memory; features are stored bf16, fp32 or fp8 with
 per-token scales (`draftflow.features`), many samples per shard.
@@ -32,26 +33,15 @@ from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
+from draftflow.drafters import feature_ids
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
-from draftflow.layers import FINAL, default_dflash_layer_ids, eagle3_taps, validate_layer_ids
 from draftflow.stages.common import Source, data_shards, finalize, shard_result
 from draftflow.store import MANIFEST, Store, shard_entry
 from draftflow.target import TargetRef, resolve_device
 
 log = logging.getLogger(__name__)
 STAGE = "extract"
-
-
-def drafter_layer_ids(cfg: RunConfig, num_target_layers: int) -> list[int]:
-    """The feature ids to store: the configured taps, or the kind's default, validated against
-    the target depth; EAGLE-3 adds `FINAL` (the target's final normed hidden state, for soft targets)."""
-    ids = cfg.drafter.target_layer_ids
-    if cfg.drafter.kind == "eagle3":
-        return eagle3_taps(ids, num_target_layers) + [FINAL]
-    if ids is None:
-        ids = default_dflash_layer_ids(num_target_layers, cfg.drafter.num_taps)
-    return validate_layer_ids(ids, num_target_layers)
 
 
 def target_depth(target_path: str) -> int:
@@ -133,8 +123,10 @@ def extract_rows(store: Store, fp: str, cfg: RunConfig, target: TargetRef, name:
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
               shard: dict[str, Any]) -> dict[str, Any]:
     """Extract features for one tokenize shard into one feature shard (resumable inside the shard)."""
-    layer_ids = drafter_layer_ids(cfg, target_depth(target.path))
+    layer_ids = feature_ids(cfg.drafter, target_depth(target.path))
     rows = read_rows(store.verify_sha(*source, shard))
+    if not rows:  # empty is a value: nothing to capture, no feature shard (a shard needs one sample)
+        return shard_result(None, None, 0, 0, {})
     name = shard["name"].replace(".parquet", ".safetensors")
     with tempfile.TemporaryDirectory(prefix="draftflow-extract-") as tmp:
         parts = _open_parts(store, _part_paths(store, fp, name), tmp)

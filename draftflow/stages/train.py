@@ -23,12 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.export import (
-    export_files,
-    export_speculators,
-    export_vllm_dflash,
-)
-from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
+from draftflow.drafters import drafter_spec
 from draftflow.export_readme import portable_target_name, serve_command_for
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
@@ -139,7 +134,7 @@ def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> N
     else:
         for s in data_shards(m, "train"):
             store.verify_sha("extract", features["fingerprint"], s)
-    if cfg.drafter.kind == "eagle3":
+    if drafter_spec(cfg.drafter.kind).draft_vocab:
         token_counts(store, features)
 
 
@@ -150,10 +145,6 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[
         return shard_entry(name, tmp, rows=0)
 
 
-EXPORTERS = {"dflash": {"vllm": export_vllm_dflash, "speculators": export_speculators},
-             "eagle3": {"vllm": export_eagle3_vllm, "speculators": export_eagle3_speculators}}
-
-
 def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_name: str,
                   kind: str = "dflash", served_from: dict[str, str] | None = None) -> list[str]:
     """Metrics files and both serving exports (of `kind`) of the trained drafter in `out`; paths relative to it.
@@ -162,10 +153,11 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
         target_name: the target's portable name (`draftflow.export_readme.portable_target_name`).
         served_from: per format, where the export will be served from (its store URL) for its README.
     """
+    spec = drafter_spec(kind)
     for fmt in EXPORT_FORMATS:
-        EXPORTERS[kind][fmt](out, Path(out) / "export" / fmt, target_config, target_name=target_name,
+        spec.exporters[fmt](out, Path(out) / "export" / fmt, target_config, target_name=target_name,
                              served_from=(served_from or {}).get(fmt))
-    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in export_files(kind, fmt)]
+    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in spec.export_files(fmt)]
     return write_metrics(out, metrics) + exports
 
 

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftflow.config import RunConfig
+from draftflow.drafters import DraftInputs, check_drafter
 from draftflow.errors import ConfigError
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.models.dflash import DFlashConfig
@@ -83,11 +84,14 @@ def draft_vocab(store: Store, features: dict[str, Any], size: int,
 
 
 def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
-    """(the drafter config of `drafter.kind`, the draft vocabulary for EAGLE-3 else None)."""
-    if cfg.drafter.kind == "eagle3":
-        d2t, t2d = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
-        return Eagle3Config.from_target(model.config, cfg.drafter, d2t.numel()), (d2t, t2d)
-    return DFlashConfig.from_target(model.config, cfg.drafter, mask_token_id(tokenizer)), None
+    """(the drafter config of `drafter.kind`, the draft vocabulary (d2t, t2d) for kinds that choose one else None)."""
+    spec = check_drafter(cfg.drafter)
+    vocab = None
+    if spec.draft_vocab:
+        vocab = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
+    inputs = DraftInputs(mask_token_id=mask_token_id(tokenizer),
+                         draft_vocab_size=None if vocab is None else vocab[0].numel())
+    return spec.config_from_target(model.config, cfg.drafter, inputs), vocab
 
 
 @dataclass

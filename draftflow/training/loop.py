@@ -42,6 +42,7 @@ import torch
 
 from draftflow import progress
 from draftflow.config import TrainConfig
+from draftflow.drafters import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter
@@ -57,7 +58,7 @@ from draftflow.training.distributed import (
     prepare_model,
     sync_gradients,
 )
-from draftflow.training.objectives import DFlashObjective, Eagle3Objective, LossStats, build_drafter, make_objective
+from draftflow.training.objectives import DFlashObjective, Eagle3Objective, LossStats
 
 logger = logging.getLogger(__name__)
 
@@ -211,13 +212,14 @@ def train_drafter(
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
-    drafter = build_drafter(dcfg, target_model, draft_vocab).to(device)
+    spec = spec_for_architecture(dcfg.architecture)
+    drafter = spec.build(dcfg, target_model, draft_vocab).to(device)
     drafter = prepare_model(drafter, tcfg, env, device)  # FSDP2 shards (train.parallel), bf16 autocast on CUDA
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     total = total_steps(len(samples), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
-    objective = make_objective(dcfg, tcfg)
+    objective = spec.objective(dcfg, tcfg)
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
     run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
                on_checkpoint)

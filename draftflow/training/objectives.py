@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from draftflow.config import TrainConfig
-from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.models.dflash import DFlashConfig
+from draftflow.models.eagle3 import Eagle3Config
 from draftflow.training.batches import (
     IGNORE,
     BlockBatch,
@@ -185,15 +184,3 @@ class Eagle3Objective:
         logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
         return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
 
-
-def build_drafter(dcfg: DFlashConfig | Eagle3Config, target_model, draft_vocab=None):
-    """The drafter of `dcfg`'s kind; EAGLE-3 takes `draft_vocab` = (d2t, t2d) from tokenize."""
-    if isinstance(dcfg, Eagle3Config):
-        if draft_vocab is None:
-            raise ConfigError("an EAGLE-3 drafter needs the draft vocabulary (d2t, t2d) of the tokenize stage")
-        return Eagle3Drafter(dcfg, target_model, *draft_vocab)
-    return DFlashDrafter(dcfg, target_model)
-
-
-def make_objective(dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig):
-    return Eagle3Objective(dcfg, tcfg) if isinstance(dcfg, Eagle3Config) else DFlashObjective(dcfg, tcfg)

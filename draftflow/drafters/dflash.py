@@ -1,0 +1,99 @@
+"""The DFlash kind (arXiv 2602.06036): block drafting from injected tap features.
+
+Its spec wires `draftflow.models.dflash` (model and config), the block objective, the block
+proposer used by evaluate (`draft_block`), the vLLM and speculators exporters and the train
+cost model. Taps: `drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from draftflow.config import DrafterConfig, RunConfig
+from draftflow.drafters.spec import DrafterSpec, DraftInputs
+from draftflow.export import EXPORT_FILES, MODELING_NAME, export_speculators, export_vllm_dflash
+from draftflow.layers import check_tap_count, dflash_taps
+from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from draftflow.models.dflash_config import check_layer_types
+from draftflow.training.objectives import DFlashObjective
+
+
+def check(drafter: DrafterConfig) -> None:
+    """Target-free: as many explicit taps as `num_taps`, and valid `layer_types`."""
+    if drafter.target_layer_ids is not None:
+        check_tap_count(drafter.target_layer_ids, drafter.num_taps)
+    check_layer_types(drafter.layer_types, drafter.num_layers, drafter.sliding_window)
+
+
+def taps(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
+    return dflash_taps(drafter.target_layer_ids, drafter.num_taps, num_target_layers)
+
+
+def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> DFlashConfig:
+    return DFlashConfig.from_target(target_config, drafter, inputs.mask_token_id)
+
+
+def build(dcfg: DFlashConfig, target_model, draft_vocab=None) -> DFlashDrafter:
+    return DFlashDrafter(dcfg, target_model)
+
+
+@torch.no_grad()
+def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch.Tensor:
+    """Drafter logits (B, V) for the block [anchor, mask x (B-1)] placed at position C.
+
+    Args:
+        anchor: the token at position C (the target's latest greedy token).
+        ctx: (C, n_taps * D) tap features of positions 0..C-1 (strictly before the anchor).
+    """
+    cfg, C = drafter.config, ctx.shape[0]
+    device = drafter.fc.weight.device
+    block_ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[0, 0] = anchor
+    block_pos = torch.arange(C, C + cfg.block_size, device=device)[None]
+    ctx_pos = torch.arange(C, device=device)[None]
+    mask = block_attention_mask(torch.tensor([C], device=device), cfg.block_size, C)[None]
+    return drafter(block_ids, block_pos, ctx[None].to(device), ctx_pos, mask)[0]
+
+
+def propose(drafter: DFlashDrafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
+    """Greedy drafts of slots 1..B-1 of the block anchored at len(seq)."""
+    return draft_block(drafter, anchor, ctx)[1:].argmax(-1).tolist()
+
+
+def drafts_per_step(drafter) -> int:
+    return drafter.block_size - 1  # slot 0 holds the anchor
+
+
+def export_files(fmt: str) -> tuple[str, ...]:
+    return EXPORT_FILES + ((MODELING_NAME,) if fmt == "vllm" else ())
+
+
+def train_flops(cfg: RunConfig, T: float, shape: dict[str, Any]) -> float:
+    """6 x drafter params x (block + context tokens) + 4 x LM head x block tokens."""
+    Q = min(cfg.train.num_anchors, T) * cfg.drafter.block_size
+    return 6 * cfg.drafter.num_layers * shape["layer_params"] * (Q + T) + 4 * shape["head_params"] * Q
+
+
+SPEC = DrafterSpec(
+    kind="dflash",
+    title="DFlash",
+    architecture="DFlashDrafter",
+    model=DFlashDrafter,
+    check=check,
+    taps=taps,
+    stores_final=False,
+    draft_vocab=False,
+    config_from_target=config_from_target,
+    build=build,
+    objective=DFlashObjective,
+    propose=propose,
+    drafts_per_step=drafts_per_step,
+    exporters={"vllm": export_vllm_dflash, "speculators": export_speculators},
+    export_files=export_files,
+    vllm_method="dflash",
+    train_flops=train_flops,
+    cost_note="DFlash: 6 x drafter params x (anchors x block + context) + 4 x LM head x block tokens",
+    drafting=lambda d: f"block size {d.block_size}",
+)

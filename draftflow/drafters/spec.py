@@ -1,0 +1,71 @@
+"""`DrafterSpec`: everything the pipeline needs to know about one drafter kind, in one frozen record.
+
+A spec is data plus small functions; the stages, training, evaluation, exports and the plan look
+a kind up (`draftflow.drafters.drafter_spec`) instead of branching on `drafter.kind`. What it
+deliberately does not know: stores, manifests, Prefect. Trade-off: fields are plain callables
+rather than methods of a subclass per kind, so a spec reads as one table and needs no base class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from draftflow.config import DrafterConfig, RunConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """What training knows beyond the target's config when it builds a drafter config."""
+
+    mask_token_id: int | None = None  # the tokenizer's mask token, else len(tokenizer) (DFlash)
+    draft_vocab_size: int | None = None  # rows of the chosen draft vocabulary (EAGLE-3)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """One drafter kind (`drafter.kind`).
+
+    Attributes:
+        kind: the `drafter.kind` value; title: its name in reports and export READMEs.
+        architecture: the `architecture` a checkpoint's config.json records (chooses `model` on load).
+        model: the drafter module class; `model.load(folder, target_model)` loads a checkpoint.
+        check: target-free checks of the `drafter` section (one-line ConfigError each).
+        taps: (drafter section, target depth) -> the validated tap ids (draftflow convention).
+        stores_final: feature shards also hold `layers.FINAL` (the target's final normed state).
+        draft_vocab: training chooses a draft vocabulary from tokenize's token counts.
+        config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
+        build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.
+        objective: (drafter config, train section) -> the training objective.
+        propose: (drafter, seq, anchor, ctx features) -> greedy drafts (evaluate).
+        drafts_per_step: (drafter section or drafter config) -> most drafts one step can accept
+            (= vLLM's `num_speculative_tokens`).
+        exporters: per export format ("vllm", "speculators"), the function writing that folder.
+        export_files: format -> the files an export folder holds.
+        vllm_method: vLLM's `--speculative-config` method.
+        train_flops: (run config, mean sequence length T, target shape of `estimate.model_shape`)
+            -> FLOPs to train on one sequence (the drafter's part; the plan adds online extraction).
+        cost_note: the cost model in words (`draftflow plan` prints it).
+        drafting: (drafter section) -> how the kind drafts, for the evaluation report.
+    """
+
+    kind: str
+    title: str
+    architecture: str
+    model: type
+    check: Callable[[DrafterConfig], None]
+    taps: Callable[[DrafterConfig, int], list[int]]
+    stores_final: bool
+    draft_vocab: bool
+    config_from_target: Callable[[Any, DrafterConfig, DraftInputs], Any]
+    build: Callable[..., Any]
+    objective: Callable[[Any, TrainConfig], Any]
+    propose: Callable[..., list[int]]
+    drafts_per_step: Callable[[Any], int]
+    exporters: Mapping[str, Callable[..., Any]]
+    export_files: Callable[[str], tuple[str, ...]]
+    vllm_method: str
+    train_flops: Callable[[RunConfig, float, dict[str, Any]], float]
+    cost_note: str
+    drafting: Callable[[DrafterConfig], str]

@@ -1,0 +1,75 @@
+"""The drafter registry: one spec per kind, one path for tap ids, one-line config errors, a cost model per kind."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from draftflow.config import DrafterConfig, RunConfig
+from draftflow.drafters import DRAFTERS, check_drafter, drafter_spec, feature_ids, spec_for_architecture
+from draftflow.errors import ConfigError
+from draftflow.layers import FINAL
+
+
+def test_the_registry_has_both_kinds_with_every_part():
+    assert set(DRAFTERS) == {"dflash", "eagle3"}
+    for kind, spec in DRAFTERS.items():
+        assert spec.kind == kind and spec.title and spec.vllm_method == kind
+        assert set(spec.exporters) == {"vllm", "speculators"}
+        assert spec_for_architecture(spec.architecture) is spec
+        assert "config.json" in spec.export_files("speculators")
+    assert "modeling_dflash.py" in drafter_spec("dflash").export_files("vllm")
+    assert "modeling_dflash.py" not in drafter_spec("eagle3").export_files("vllm")
+
+
+def test_feature_ids_are_resolved_by_one_rule_per_kind():
+    assert feature_ids(DrafterConfig(num_taps=5), 36) == [1, 9, 17, 25, 33]  # the DFlash paper's Qwen3-8B taps
+    assert feature_ids(DrafterConfig(kind="eagle3"), 36) == [1, 17, 32, FINAL]  # vLLM's 2, N//2, N-3 minus one
+    assert feature_ids(DrafterConfig(num_taps=2, target_layer_ids=[0, 4]), 8) == [0, 4]
+
+
+@pytest.mark.parametrize("drafter, match", [
+    (DrafterConfig(num_taps=5, target_layer_ids=[1, 2, 3]), "has 3 ids but drafter.num_taps is 5"),
+    (DrafterConfig(kind="eagle3", target_layer_ids=[1, 2]), "exactly 3 taps"),
+    (DrafterConfig(kind="eagle3", num_layers=2), "exactly one decoder layer"),
+    (DrafterConfig(num_layers=2, layer_types=["full_attention"]), "layer_types has 1 entries"),
+    (DrafterConfig(num_layers=1, layer_types=["global"]), "unknown"),
+    (DrafterConfig(num_layers=1, layer_types=["sliding_attention"]), "sliding_window"),
+    (DrafterConfig(kind="medusa"), "known: dflash, eagle3"),
+])
+def test_target_free_drafter_errors_are_one_line_config_errors(drafter, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        check_drafter(drafter)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("drafter, match", [
+    (DrafterConfig(num_taps=3, target_layer_ids=[1, 3, 8]), "contains 8"),
+    (DrafterConfig(num_taps=2, target_layer_ids=[3, 1]), "strictly increasing"),
+    (DrafterConfig(num_taps=3, target_layer_ids=[1, 2, 7]), "last layer"),
+    (DrafterConfig(kind="eagle3", target_layer_ids=[1, 2, 9]), "contains 9"),
+])
+def test_taps_against_the_target_are_one_line_config_errors(drafter, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        feature_ids(drafter, 8)
+    assert "\n" not in str(err.value)
+
+
+def test_the_cost_model_differs_per_kind():
+    shape = {"hidden": 4096, "layer_params": 200_000_000, "head_params": 151936 * 4096}
+    flops = {kind: spec.train_flops(RunConfig(drafter=DrafterConfig(kind=kind)), 3072.0, shape)
+             for kind, spec in DRAFTERS.items()}
+    assert flops["dflash"] > 0 and flops["eagle3"] > 0 and flops["dflash"] != flops["eagle3"]
+    assert len({spec.cost_note for spec in DRAFTERS.values()}) == len(DRAFTERS)
+
+
+def test_a_new_kind_is_one_registry_entry(monkeypatch):
+    import draftflow.drafters as drafters
+
+    with pytest.raises(ConfigError, match=r"drafter.kind='mine' is not a drafter kind; known: dflash, eagle3"):
+        drafter_spec("mine")
+    mine = dataclasses.replace(DRAFTERS["dflash"], kind="mine", title="Mine", architecture="MineDrafter")
+    monkeypatch.setitem(drafters.DRAFTERS, "mine", mine)
+    assert drafter_spec("mine") is mine and spec_for_architecture("MineDrafter") is mine
+    assert feature_ids(DrafterConfig(kind="mine", num_taps=5), 36) == [1, 9, 17, 25, 33]
