@@ -13,7 +13,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from draftflow.config import RunConfig
 from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
-from draftflow.stages.registry import needed, registry, spec, stage_gpus
+from draftflow.stages.common import require_rows
+from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
 from flows.common import publish_links
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key
@@ -39,6 +40,8 @@ def pipeline(cfg: RunConfig) -> dict:
     results: dict[str, dict] = {}
     for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
         results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
+        if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
+            require_rows(results[stage.name]["manifest"])
     stages = [results[s.name] for s in registry()]
     summary = summarize(cfg, stages)
     publish_summary(cfg, summary)
@@ -172,4 +175,6 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
     results = {} if upstream == "run" else reused_upstream(cfg, target, stage)
     for s in needed(stage) if upstream == "run" else [stage]:
         results[s] = run_stage_flow(s, cfg, target, results)
+        if s != stage:
+            require_rows(results[s]["manifest"])
     return results[stage]

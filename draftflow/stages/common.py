@@ -17,6 +17,7 @@ import pyarrow as pa
 from draftflow.config import STAGE_SECTIONS, RunConfig
 from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardResult
 from draftflow.data.schema import REJECTED, write_rows
+from draftflow.errors import DraftflowError
 from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,24 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
     log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"],
              manifest["dropped"])
     return manifest
+
+
+class EmptyStage(DraftflowError):
+    """A stage kept no rows, and the stages after it need some."""
+
+
+def require_rows(manifest: dict[str, Any]) -> None:
+    """Stop the run in one line when a stage kept nothing: which stage, and its top drop reasons.
+
+    Raises:
+        EmptyStage: the manifest's rows_out is 0.
+    """
+    if manifest["rows_out"]:
+        return
+    top = sorted(manifest["dropped"].items(), key=lambda kv: -kv[1])[:3]
+    why = ", ".join(f"{k}={v}" for k, v in top) or "its input was empty"
+    raise EmptyStage(f"{manifest['stage']} kept no rows of {manifest['rows_in']} (dropped {why}); the stages after "
+                     f"it have nothing to work on: see its rejected-* shards, fix the cause and re-run")
 
 
 def manifest_digest(manifest: dict[str, Any]) -> str:
