@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="with a config file: override a value by dotted path, as for run")
     s = sub.add_parser("server", help="start a local Prefect server with its UI")
     s.add_argument("--port", type=int, default=4200)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--ui-api-url", default=None,
+                   help="the API URL the UI in a browser uses; default http://<host>:<port>/api")
     s = sub.add_parser("deploy", help="create the deployments in deployments/prefect.yaml (all by default)")
     s.add_argument("--name", dest="names", action="append", default=[], metavar="DEPLOYMENT",
                    help="only this deployment, e.g. draftflow-stage/curate (repeatable)")
@@ -220,13 +223,33 @@ class _RichBars:
 
 
 def cmd_server(args) -> int:
+    """Run `prefect server start` as a child whose UI reaches its API on any host and port, forwarding
+    SIGTERM and SIGINT to it and exiting when it exits (a killed draftflow server leaves no server)."""
     _prefect_env()
     from flows.deploy import prefect_command
 
-    cmd = [*prefect_command(), "server", "start", "--host", "127.0.0.1", "--port", str(args.port)]
-    print(f"UI at http://127.0.0.1:{args.port}; in another shell: export PREFECT_API_URL=http://127.0.0.1:"
-          f"{args.port}/api, then draftflow run / deploy", file=sys.stderr)
-    return subprocess.call(cmd)
+    shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    api = args.ui_api_url or f"http://{shown}:{args.port}/api"
+    cmd = [*prefect_command(), "server", "start", "--host", args.host, "--port", str(args.port)]
+    # The UI asks the server which API to call; without this it is told 127.0.0.1:4200 on every port.
+    env = {**os.environ, "PREFECT_UI_API_URL": api, "PREFECT_SERVER_UI_API_URL": api}
+    print(f"UI at {api.removesuffix('/api')}; in another shell: export PREFECT_API_URL={api}, "
+          "then draftflow run / deploy", file=sys.stderr)
+    return run_forwarding_signals(cmd, env)
+
+
+def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
+    """Run `cmd`, pass SIGTERM/SIGINT on to it, and return its exit code once it has exited."""
+    import signal
+
+    child = subprocess.Popen(cmd, env=env)
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    old = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 def cmd_deploy(args) -> int:

@@ -289,3 +289,28 @@ def test_deployments_from_the_yaml_run_on_process_workers_under_the_gpu_limit(se
         logs = _eventually(lambda: [g.message for g in _logs_of(client, subflow[0].id)
                                     if "slot(s) of the GPU" in g.message])
         assert logs == ["holding 1 slot(s) of the GPU concurrency limit 'gpu'"]
+
+
+def test_draftflow_server_ui_reaches_its_api_on_any_port_and_sigterm_stops_the_child(tmp_path):
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "PREFECT_UI_API_URL")}
+    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "server", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        _wait_healthy(url, proc, tmp_path / "server.log")
+        settings = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=10).json()
+        assert settings["api_url"] == url  # the browser UI calls this API: the one that answers
+        assert httpx.get(f"{settings['api_url']}/health", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)  # to draftflow server only, not its process group
+        assert proc.wait(timeout=120) is not None
+        with pytest.raises(httpx.HTTPError):  # the prefect server child went with it
+            for _ in range(200):  # bounded: the child may take a moment to close its socket
+                httpx.get(f"{url}/health", timeout=2)
+                time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
