@@ -252,6 +252,13 @@ class RunnerConfig(Section):
         "Prefect's default elsewhere")
 
 
+class LockConfig(Section):
+    """The lease a run holds on its root (`draftflow.runlock`): one run at a time per root."""
+
+    wait_s: float = Field(0.0, ge=0.0, description="how long a second run waits for the holder before it stops")
+    ttl_s: float = Field(60.0, gt=0.0, description="a lease not renewed for this long is taken over")
+
+
 class RunConfig(Section):
     name: str = "run"
     root: str | None = Field(None, description="local folder or s3://bucket/prefix")
@@ -264,6 +271,7 @@ class RunConfig(Section):
     train: TrainConfig = TrainConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
     runner: RunnerConfig = RunnerConfig()
+    lock: LockConfig = LockConfig()
 
     @model_validator(mode="after")
     def _default_root(self) -> RunConfig:

@@ -139,7 +139,10 @@ def cmd_run(args) -> int:
 
     _quiet_user_errors()
     start = time.time()
-    with terminal_progress():
+    from draftflow.runlock import holding
+
+    # The root's lease first: a second run on a busy root stops here, before Prefect starts.
+    with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s), terminal_progress():
         summary = pipeline(cfg)
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"

@@ -13,6 +13,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from draftflow.config import RunConfig
 from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
+from draftflow.runlock import holding
 from draftflow.stages.common import require_rows
 from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
 from flows.common import publish_links
@@ -33,15 +34,16 @@ from tasks.stage_tasks import prepare_target
 
 @flow(name="draftflow-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def pipeline(cfg: RunConfig) -> dict:
-    """Run (or reuse) every stage; return the stage results and the final figures."""
-    record_run(cfg)
-    report_progress(cfg.name)
-    target = prepare_target(cfg)
-    results: dict[str, dict] = {}
-    for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
-        results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
-        if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
-            require_rows(results[stage.name]["manifest"])
+    """Run (or reuse) every stage, holding the run root's lease; return the stage results and the final figures."""
+    with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):  # one run at a time on a root
+        record_run(cfg)
+        report_progress(cfg.name)
+        target = prepare_target(cfg)
+        results: dict[str, dict] = {}
+        for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
+            results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
+            if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
+                require_rows(results[stage.name]["manifest"])
     stages = [results[s.name] for s in registry()]
     summary = summarize(cfg, stages)
     publish_summary(cfg, summary)
@@ -169,12 +171,13 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
                           f"got stage={stage!r} upstream={upstream!r}")
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
-    record_run(cfg)
-    report_progress(cfg.name)
-    target = prepare_target(cfg)
-    results = {} if upstream == "run" else reused_upstream(cfg, target, stage)
-    for s in needed(stage) if upstream == "run" else [stage]:
-        results[s] = run_stage_flow(s, cfg, target, results)
-        if s != stage:
-            require_rows(results[s]["manifest"])
+    with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):
+        record_run(cfg)
+        report_progress(cfg.name)
+        target = prepare_target(cfg)
+        results = {} if upstream == "run" else reused_upstream(cfg, target, stage)
+        for s in needed(stage) if upstream == "run" else [stage]:
+            results[s] = run_stage_flow(s, cfg, target, results)
+            if s != stage:
+                require_rows(results[s]["manifest"])
     return results[stage]

@@ -1,0 +1,171 @@
+"""One run at a time on a run root: a lease object at `<root>/.draftflow-lock.json`.
+
+A run takes the lease before it works on the root, renews it from a heartbeat thread, and drops it
+when it ends. A second run finds it held and waits (`lock.wait_s`) or stops in one line naming the
+holder. A lease is stale, and taken over, when it has not been renewed for `lock.ttl_s` seconds, or at
+once when its holder ran on this host and that process is gone (a killed run).
+
+Taking the lease is an exclusive create: `O_EXCL` on a local root, a conditional PUT
+(`If-None-Match: *`, which S3 and S3-compatible stores honour) on s3://. Taking over a stale lease
+deletes it and creates anew, so two runs racing for one stale lease still end with one holder
+(the loser's exclusive create fails); each renewal re-reads the lease first, and a holder that finds
+someone else's token there logs that it lost it rather than writing over it.
+
+Does not know: stages or Prefect. The lease file is in no manifest and no fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from draftflow.errors import DraftflowError
+from draftflow.store import Store
+
+log = logging.getLogger(__name__)
+LOCK_NAME = ".draftflow-lock.json"
+
+
+class RootBusy(DraftflowError):
+    """Another run holds the run root."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def is_stale(lease: dict[str, Any], now: float) -> bool:
+    """Not renewed for its ttl, or held by a process of this host that is gone."""
+    if now - float(lease.get("renewed", 0)) > float(lease.get("ttl_s", 0)):
+        return True
+    return lease.get("host") == socket.gethostname() and not _pid_alive(int(lease.get("pid", -1)))
+
+
+def describe(lease: dict[str, Any], now: float) -> str:
+    return (f"run {lease.get('run')!r} (pid {lease.get('pid')} on {lease.get('host')}, renewed "
+            f"{max(0.0, now - float(lease.get('renewed', 0))):.0f} s ago)")
+
+
+class RunLease:
+    """The lease of one run on one root (see the module docstring)."""
+
+    def __init__(self, store: Store, run: str, ttl_s: float):
+        self.store, self.run, self.ttl_s = store, run, ttl_s
+        self.path = store.path(LOCK_NAME)
+        self.token = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"run": self.run, "host": socket.gethostname(), "pid": os.getpid(), "token": self.token,
+                           "ttl_s": self.ttl_s, "renewed": time.time()}).encode()
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            with self.store.fs.open(self.path, "rb") as fh:
+                return json.loads(fh.read() or b"{}")
+        except FileNotFoundError:
+            return None
+        except ValueError:  # torn: treat as stale
+            return {}
+
+    def _create(self) -> bool:
+        """Exclusive create of the lease; False when one exists."""
+        data = self._record()
+        if self.store.is_local:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            return True
+        try:
+            self.store.fs.pipe_file(self.path, data, mode="create")
+        except (FileExistsError, OSError) as exc:
+            if isinstance(exc, FileExistsError) or "Precondition" in str(exc) or "412" in str(exc):
+                return False
+            raise
+        return True
+
+    def try_take(self) -> dict[str, Any] | None:
+        """Take the lease; None when taken, else the holder's lease."""
+        if self._create():
+            return None
+        held = self._read()
+        if held is None:  # released between the two calls: try again
+            return self.try_take()
+        if is_stale(held, time.time()):
+            log.warning("taking over the stale lease of %s on %s", describe(held, time.time()), self.store.base)
+            self.store.fs.rm(self.path)
+            return None if self._create() else (self._read() or held)
+        return held
+
+    def acquire(self, wait_s: float, poll_s: float = 1.0) -> None:
+        """Take the lease, waiting up to `wait_s` for a live holder.
+
+        Raises:
+            RootBusy: still held after `wait_s` (one line naming the holder).
+        """
+        deadline = time.monotonic() + wait_s
+        while (held := self.try_take()) is not None:
+            if time.monotonic() >= deadline:
+                raise RootBusy(f"run root {self.store.base} is in use by {describe(held, time.time())}; wait for "
+                               "it or stop it (set lock.wait_s to wait); a lease not renewed for "
+                               f"{float(held.get('ttl_s', self.ttl_s)):g} s is taken over")
+            time.sleep(poll_s)
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="draftflow-lease")
+        self._thread.start()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.ttl_s / 3):
+            held = self._read()
+            if held is not None and held.get("token") != self.token:
+                log.error("the lease on %s was taken by %s; this run no longer holds the root",
+                          self.store.base, describe(held, time.time()))
+                return
+            self.store.fs.pipe_file(self.path, self._record())
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        held = self._read()
+        if held is not None and held.get("token") == self.token:
+            self.store.fs.rm(self.path)
+
+
+_HELD: dict[str, RunLease] = {}  # roots this process holds: nested `holding` blocks share the lease
+
+
+@contextmanager
+def holding(root: str, run: str, wait_s: float = 0.0, ttl_s: float = 60.0) -> Iterator[RunLease]:
+    """Hold the lease on `root` for the block (see `RunLease.acquire`); re-entrant within a process, so
+    the CLI can take it before Prefect starts and the pipeline flow inside it holds the same lease."""
+    store = Store(root)
+    if store.base in _HELD:
+        yield _HELD[store.base]
+        return
+    lease = RunLease(store, run, ttl_s)
+    lease.acquire(wait_s)
+    _HELD[store.base] = lease
+    try:
+        yield lease
+    finally:
+        del _HELD[store.base]
+        lease.release()
