@@ -17,7 +17,8 @@ import os
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.drafters import DRAFTERS, drafter_spec, feature_ids
+from draftflow.drafters.registry import DRAFTERS, drafter_spec
+from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
 from draftflow.stages.common import data_shards
 from draftflow.stages.registry import stage_names, upstream_of

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from draftflow.config import EvaluateConfig
-from draftflow.drafters import spec_for_architecture
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.layers import hf_hidden_state_index
 from draftflow.models.dflash import DFlashDrafter

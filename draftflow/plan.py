@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.drafters import check_drafter, feature_ids
+from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.estimate import (
     CHARS_PER_TOKEN,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters import drafter_spec
+from draftflow.drafters.registry import drafter_spec
 from draftflow.export import (
     export_speculators,
     export_vllm_dflash,

@@ -13,22 +13,10 @@ import torch
 
 from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
+from draftflow.drafters.taps import TAP_RULES
 from draftflow.export import EXPORT_FILES, MODELING_NAME, export_speculators, export_vllm_dflash
-from draftflow.layers import check_tap_count, dflash_taps
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
-from draftflow.models.dflash_config import check_layer_types
 from draftflow.training.objectives import DFlashObjective
-
-
-def check(drafter: DrafterConfig) -> None:
-    """Target-free: as many explicit taps as `num_taps`, and valid `layer_types`."""
-    if drafter.target_layer_ids is not None:
-        check_tap_count(drafter.target_layer_ids, drafter.num_taps)
-    check_layer_types(drafter.layer_types, drafter.num_layers, drafter.sliding_window)
-
-
-def taps(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
-    return dflash_taps(drafter.target_layer_ids, drafter.num_taps, num_target_layers)
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> DFlashConfig:
@@ -81,9 +69,7 @@ SPEC = DrafterSpec(
     title="DFlash",
     architecture="DFlashDrafter",
     model=DFlashDrafter,
-    check=check,
-    taps=taps,
-    stores_final=False,
+    taps=TAP_RULES["dflash"],
     draft_vocab=False,
     config_from_target=config_from_target,
     build=build,

@@ -13,23 +13,12 @@ import torch
 
 from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
+from draftflow.drafters.taps import TAP_RULES
 from draftflow.errors import ConfigError
 from draftflow.export import EXPORT_FILES
 from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
-from draftflow.layers import check_eagle3_count, eagle3_taps
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, check_one_layer, draft_chain
+from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain
 from draftflow.training.objectives import Eagle3Objective
-
-
-def check(drafter: DrafterConfig) -> None:
-    """Target-free: three explicit taps (or none), and one decoder layer."""
-    if drafter.target_layer_ids is not None:
-        check_eagle3_count(drafter.target_layer_ids)
-    check_one_layer(drafter)
-
-
-def taps(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
-    return eagle3_taps(drafter.target_layer_ids, num_target_layers)
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> Eagle3Config:
@@ -64,9 +53,7 @@ SPEC = DrafterSpec(
     title="EAGLE-3",
     architecture="Eagle3Drafter",
     model=Eagle3Drafter,
-    check=check,
-    taps=taps,
-    stores_final=True,
+    taps=TAP_RULES["eagle3"],
     draft_vocab=True,
     config_from_target=config_from_target,
     build=build,

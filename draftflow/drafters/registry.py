@@ -1,21 +1,17 @@
-"""The drafter registry: one `DrafterSpec` per `drafter.kind`, and the one path that resolves taps.
+"""The drafter registry: one `DrafterSpec` per `drafter.kind`.
 
-Adding a kind is one module here (its spec) plus one entry in `DRAFTERS`. Everything that used
-to branch on the kind (extract's feature ids, the training config/model/objective, evaluate's
-proposer, exports, the plan's cost model) looks the spec up here.
-
-`feature_ids` is the only place tap ids are resolved and validated against the target: extract
-stores them, training checks shards against the drafter config built by the same rule, and
-the plan (preflight, sizes, space) calls it too.
+Adding a kind is one module in this package (its spec), its tap rule in `draftflow.drafters.taps`,
+and one entry in `DRAFTERS`. Everything that used to branch on the kind (the training config, model
+and objective, evaluate's proposer, exports, the plan's cost model) looks the spec up here; tap ids
+are resolved by `draftflow.drafters.taps.feature_ids` (kept apart so extract's code stays small).
 """
 
 from __future__ import annotations
 
-from draftflow.config import DrafterConfig
 from draftflow.drafters import dflash, eagle3
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
+from draftflow.drafters.taps import check_drafter, feature_ids, tap_rule
 from draftflow.errors import ConfigError
-from draftflow.layers import FINAL
 
 DRAFTERS: dict[str, DrafterSpec] = {s.kind: s for s in (dflash.SPEC, eagle3.SPEC)}
 
@@ -29,8 +25,7 @@ def drafter_spec(kind: str) -> DrafterSpec:
     Raises:
         ConfigError: an unknown kind (the message names the known ones).
     """
-    if kind not in DRAFTERS:
-        raise ConfigError(f"drafter.kind={kind!r} is not a drafter kind; known: {', '.join(sorted(DRAFTERS))}")
+    tap_rule(kind)  # an unknown kind: one line naming the known ones
     return DRAFTERS[kind]
 
 
@@ -41,22 +36,3 @@ def spec_for_architecture(architecture: str | None) -> DrafterSpec:
             return spec
     known = sorted(s.architecture for s in DRAFTERS.values())
     raise ConfigError(f"checkpoint architecture {architecture!r} is not a draftflow drafter; known: {known}")
-
-
-def check_drafter(drafter: DrafterConfig) -> DrafterSpec:
-    """The `drafter` section's target-free checks (kind, tap count, layer types, …); returns the spec."""
-    spec = drafter_spec(drafter.kind)
-    spec.check(drafter)
-    return spec
-
-
-def feature_ids(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
-    """The feature ids extract stores and training and evaluation read, in order: the kind's taps
-    (configured or default), validated against the target's depth, then `FINAL` for kinds that
-    store the target's final normed state.
-
-    Raises:
-        ConfigError: one line naming the setting (count, range, order, kind).
-    """
-    spec = check_drafter(drafter)
-    return spec.taps(drafter, num_target_layers) + ([FINAL] if spec.stores_final else [])

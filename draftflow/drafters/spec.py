@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftflow.config import DrafterConfig, RunConfig, TrainConfig
+from draftflow.drafters.taps import TapRule
 
 
 @dataclass(frozen=True)
@@ -31,9 +32,7 @@ class DrafterSpec:
         kind: the `drafter.kind` value; title: its name in reports and export READMEs.
         architecture: the `architecture` a checkpoint's config.json records (chooses `model` on load).
         model: the drafter module class; `model.load(folder, target_model)` loads a checkpoint.
-        check: target-free checks of the `drafter` section (one-line ConfigError each).
-        taps: (drafter section, target depth) -> the validated tap ids (draftflow convention).
-        stores_final: feature shards also hold `layers.FINAL` (the target's final normed state).
+        taps: the kind's tap rule (`draftflow.drafters.taps.TAP_RULES`).
         draft_vocab: training chooses a draft vocabulary from tokenize's token counts.
         config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
         build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.
@@ -54,9 +53,7 @@ class DrafterSpec:
     title: str
     architecture: str
     model: type
-    check: Callable[[DrafterConfig], None]
-    taps: Callable[[DrafterConfig, int], list[int]]
-    stores_final: bool
+    taps: TapRule
     draft_vocab: bool
     config_from_target: Callable[[Any, DrafterConfig, DraftInputs], Any]
     build: Callable[..., Any]

@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.config import DrafterConfig
+from draftflow.drafters.taps import check_one_layer
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL, eagle3_taps
 from draftflow.models.attention import sdpa_attention
@@ -71,13 +72,6 @@ SHARED_PREFIXES = ("embed_tokens.", "target_head.")
 
 
 # ----------------------------------------------------------------------------- config
-
-
-def check_one_layer(drafter: DrafterConfig) -> None:
-    """EAGLE-3 has exactly one decoder layer: `drafter.num_layers` unset or 1 (needs no target)."""
-    if "num_layers" in drafter.model_fields_set and drafter.num_layers != 1:
-        raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
-                          f"{drafter.num_layers}; remove it or set 1")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
-from draftflow.drafters import drafter_spec, spec_for_architecture
+from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.features import round_trip
 from draftflow.stages.common import data_shards, finalize

@@ -33,7 +33,7 @@ from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.data.schema import read_rows
-from draftflow.drafters import feature_ids
+from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
 from draftflow.stages.common import Source, data_shards, finalize, shard_result

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.drafters import drafter_spec
+from draftflow.drafters.registry import drafter_spec
 from draftflow.export_readme import portable_target_name, serve_command_for
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry

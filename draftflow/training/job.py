@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 import torch
 
 from draftflow.config import RunConfig
-from draftflow.drafters import DraftInputs, check_drafter
+from draftflow.drafters.registry import DraftInputs, drafter_spec
+from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.models.dflash import DFlashConfig
@@ -85,7 +86,8 @@ def draft_vocab(store: Store, features: dict[str, Any], size: int,
 
 def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
     """(the drafter config of `drafter.kind`, the draft vocabulary (d2t, t2d) for kinds that choose one else None)."""
-    spec = check_drafter(cfg.drafter)
+    check_drafter(cfg.drafter)
+    spec = drafter_spec(cfg.drafter.kind)
     vocab = None
     if spec.draft_vocab:
         vocab = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)

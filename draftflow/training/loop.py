@@ -42,7 +42,7 @@ import torch
 
 from draftflow import progress
 from draftflow.config import TrainConfig
-from draftflow.drafters import spec_for_architecture
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashConfig, DFlashDrafter
