@@ -23,7 +23,8 @@ import torch
 
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.training.batches import total_steps, warmup_cosine
 from draftflow.training.distributed import DistEnv
 from draftflow.training.loop import _Run, _train_step

@@ -70,12 +70,11 @@ from safetensors.torch import load_file
 from draftflow.compat import config_dtype
 from draftflow.errors import StoreError
 from draftflow.export_readme import README_NAME, portable_target_name, write_readme
-from draftflow.models.dflash import (
+from draftflow.models.dflash import SHARED_PREFIXES, DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
+from draftflow.models.weights import (
     CONFIG_NAME,
-    SHARED_PREFIXES,
     WEIGHTS_NAME,
-    DFlashConfig,
-    DFlashDrafter,
     load_exact,
     read_weights_and_config,
     write_weights_and_config,

@@ -22,9 +22,10 @@ from draftflow.export import (
     rename_tensor,
     write_export,
 )
-from draftflow.models.dflash import DFlashDrafter, read_weights_and_config
+from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.models.weights import read_weights_and_config
 
 # draftflow name prefix -> speculators name prefix (vLLM native keeps draftflow's names).
 EAGLE3_SPECULATORS_NAMES: dict[str, str] = {

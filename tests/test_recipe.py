@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from draftflow.config import load_config
 from draftflow.layers import default_dflash_layer_ids
-from draftflow.models.dflash import DFlashConfig
+from draftflow.models.dflash_config import DFlashConfig
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b-dflash.yaml"
 

@@ -15,7 +15,9 @@ from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
 from draftflow.drafters.taps import TAP_RULES
 from draftflow.export import EXPORT_FILES, MODELING_NAME, export_speculators, export_vllm_dflash
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter, block_attention_mask
+from draftflow.models.attention import block_attention_mask
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.training.objectives import DFlashObjective
 
 

@@ -1,8 +1,8 @@
 """The DFlash drafter (arXiv 2602.06036): a small Qwen3-style block diffusion drafter.
 
-Read top to bottom: RoPE, the Qwen3 building blocks, then `DFlashDrafter`.
-The config lives in `dflash_config.py`, the mask rule and attention backends in
-`attention.py` (both re-exported here).
+Read top to bottom: DFlash's attention and decoder layer, then `DFlashDrafter`. The
+Qwen3 building blocks (RoPE, RMSNorm, MLP) are in `blocks.py`, weight I/O in `weights.py`,
+the config in `dflash_config.py`, the mask rule and attention backends in `attention.py`.
 
 What DFlash changes relative to a Qwen3 decoder (each marked `# DFlash:`):
   * Input is a *block* [anchor token, mask x (B-1)] drafted in one forward pass,
@@ -29,93 +29,29 @@ so export to other runtimes is a rename table.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftflow.errors import ConfigError, StoreError
-from draftflow.models.attention import (  # noqa: F401  (re-exported)
+from draftflow.errors import ConfigError
+from draftflow.models.attention import (
     ATTENTION_BACKENDS,
     MASK_PREPARERS,
     AttentionFn,
-    block_attention_mask,
-    dense_to_block_mask,
-    flex_attention_backend,
     resolve_backend,
-    sdpa_attention,
     sliding_window_mask,
 )
-from draftflow.models.dflash_config import LAYER_TYPES, DFlashConfig  # noqa: F401  (re-exported)
-from draftflow.store import write_local_atomic
+from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
+from draftflow.models.dflash_config import DFlashConfig
+from draftflow.models.weights import SharedTargetDrafter, load_exact, read_weights_and_config
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_NAME = "model.safetensors"
-CONFIG_NAME = "config.json"
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
 SHARED_PREFIXES = ("embed_tokens.", "lm_head.")
-
-
-# ----------------------------------------------------------------------------- RoPE
-
-
-def rope_cos_sin(
-    pos: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (unscaled) RoPE tables for absolute positions, as in HF Qwen3.
-
-    Args:
-        pos: (B, L) int positions.
-
-    Returns:
-        cos, sin: (B, 1, L, head_dim), broadcastable over heads.
-    """
-    exps = torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta**exps)  # (head_dim/2,)
-    freqs = pos.to(torch.float32)[..., None] * inv_freq  # (B, L, head_dim/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (B, L, head_dim)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, H, L, hd) by the tables (HF's rotate_half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
-# ----------------------------------------------------------------------------- Qwen3 blocks
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
@@ -162,28 +98,6 @@ class DecoderLayer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- the drafter
-
-
-class SharedTargetDrafter(nn.Module):
-    """What every drafter borrowing frozen target modules shares: those modules (`shared_prefixes`)
-    are never saved nor counted as trainable; the rest is written by `write_weights_and_config`."""
-
-    shared_prefixes: tuple[str, ...] = ()
-
-    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every drafter weight and buffer except the shared target modules."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes)}
-
-    def param_counts(self) -> tuple[int, int]:
-        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
-        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
-        return trainable, frozen
-
-    def save(self, out_dir: str | Path) -> None:
-        """Write `model.safetensors` (`trainable_state_dict`) and `config.json` to a local dir."""
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
-        write_weights_and_config(out_dir, tensors, self.config.to_dict())
 
 
 class DFlashDrafter(SharedTargetDrafter):
@@ -290,40 +204,3 @@ def _check_shared(cfg: DFlashConfig, embed: nn.Module, head: nn.Module | None) -
             f"target embedding/LM head width {width} does not match drafter hidden_size "
             f"{cfg.hidden_size}; build the DFlashConfig from this target's config"
         )
-
-
-def write_weights_and_config(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
-    """`model.safetensors` + `config.json` in a local folder, each written atomically."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_local_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    text = json.dumps(config, indent=2, sort_keys=True)
-    write_local_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
-    return out
-
-
-def read_weights_and_config(in_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config.json as data, the weights) of a folder `write_weights_and_config` wrote.
-
-    Raises:
-        StoreError: either file is missing.
-    """
-    folder = Path(in_dir)
-    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
-        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
-    return json.loads((folder / CONFIG_NAME).read_text()), load_file(str(folder / WEIGHTS_NAME))
-
-
-def load_exact(model: SharedTargetDrafter, weights: dict[str, torch.Tensor], where: str | Path):
-    """`model` holding exactly `weights` (its `trainable_state_dict` names), moved to the device of
-    the target modules it shares.
-
-    Raises:
-        StoreError: a name missing or unexpected.
-    """
-    expected = set(model.trainable_state_dict())
-    if set(weights) != expected:
-        raise StoreError(f"the weights in {where} do not match their config: missing "
-                         f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
-    model.load_state_dict(weights, strict=False)
-    return model.to(model.embed_tokens.weight.device)

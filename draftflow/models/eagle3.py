@@ -56,16 +56,9 @@ from draftflow.drafters.taps import check_one_layer
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL, eagle3_taps
 from draftflow.models.attention import sdpa_attention
-from draftflow.models.dflash import (
-    MLP,
-    RMSNorm,
-    SharedTargetDrafter,
-    apply_rope,
-    load_exact,
-    read_weights_and_config,
-    rope_cos_sin,
-)
+from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
 from draftflow.models.dflash_config import target_dims
+from draftflow.models.weights import SharedTargetDrafter, load_exact, read_weights_and_config
 
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.
 SHARED_PREFIXES = ("embed_tokens.", "target_head.")

@@ -18,7 +18,7 @@ import torch
 
 from draftflow.config import TrainConfig
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import block_attention_mask
+from draftflow.models.attention import block_attention_mask
 
 IGNORE = -100
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from draftflow.errors import ConfigError
-from draftflow.models.dflash import write_weights_and_config
+from draftflow.models.weights import write_weights_and_config
 from draftflow.training.distributed import DistEnv, is_fsdp
 
 CKPT_DIR = "checkpoints"

@@ -27,7 +27,7 @@ from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
-from draftflow.models.dflash import DFlashConfig
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
 from draftflow.stages.common import data_shards
 from draftflow.store import Store

@@ -5,7 +5,7 @@ Per sequence (DFlash paper, arXiv 2602.06036, section on training):
   * block j = [token a_j, mask x (B-1)] at positions a_j..a_j+B-1;
   * slot k predicts token a_j+k at its own position (slot 0 is the given anchor);
   * block j sees context features at positions < a_j, itself bidirectionally,
-    and no other block (`draftflow.models.dflash.block_attention_mask`);
+    and no other block (`draftflow.models.attention.block_attention_mask`);
   * slot k's cross entropy is weighted by exp(-(k-1)/gamma): early slots
     matter most, since one wrong draft discards the rest of the block.
 
@@ -45,7 +45,8 @@ from draftflow.config import TrainConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig, DFlashDrafter
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.target import resolve_device
 from draftflow.training.batches import step_indices, total_steps, warmup_cosine

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from draftflow.config import TrainConfig
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashConfig
+from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
 from draftflow.training.batches import (
     IGNORE,

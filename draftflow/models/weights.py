@@ -1,0 +1,81 @@
+"""Weight I/O every drafter shares: frozen target modules borrowed and never saved, one
+`model.safetensors` + `config.json` per folder written atomically, and an exact-key load.
+
+What it does not know: any drafter's architecture (a drafter subclasses `SharedTargetDrafter` and
+names its shared modules in `shared_prefixes`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from draftflow.errors import StoreError
+from draftflow.store import write_local_atomic
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class SharedTargetDrafter(nn.Module):
+    """What every drafter borrowing frozen target modules shares: those modules (`shared_prefixes`)
+    are never saved nor counted as trainable; the rest is written by `write_weights_and_config`."""
+
+    shared_prefixes: tuple[str, ...] = ()
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every drafter weight and buffer except the shared target modules."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes)}
+
+    def param_counts(self) -> tuple[int, int]:
+        """(trainable, frozen) parameter counts; frozen = the shared target modules."""
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in self.parameters() if not p.requires_grad)
+        return trainable, frozen
+
+    def save(self, out_dir: str | Path) -> None:
+        """Write `model.safetensors` (`trainable_state_dict`) and `config.json` to a local dir."""
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
+        write_weights_and_config(out_dir, tensors, self.config.to_dict())
+
+
+def write_weights_and_config(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """`model.safetensors` + `config.json` in a local folder, each written atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_local_atomic(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    text = json.dumps(config, indent=2, sort_keys=True)
+    write_local_atomic(out / CONFIG_NAME, lambda p: Path(p).write_text(text))
+    return out
+
+
+def read_weights_and_config(in_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json as data, the weights) of a folder `write_weights_and_config` wrote.
+
+    Raises:
+        StoreError: either file is missing.
+    """
+    folder = Path(in_dir)
+    if not (folder / CONFIG_NAME).is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise StoreError(f"{folder} has no {CONFIG_NAME} + {WEIGHTS_NAME}; train a drafter first")
+    return json.loads((folder / CONFIG_NAME).read_text()), load_file(str(folder / WEIGHTS_NAME))
+
+
+def load_exact(model: SharedTargetDrafter, weights: dict[str, torch.Tensor], where: str | Path):
+    """`model` holding exactly `weights` (its `trainable_state_dict` names), moved to the device of
+    the target modules it shares.
+
+    Raises:
+        StoreError: a name missing or unexpected.
+    """
+    expected = set(model.trainable_state_dict())
+    if set(weights) != expected:
+        raise StoreError(f"the weights in {where} do not match their config: missing "
+                         f"{sorted(expected - set(weights))[:5]}, unexpected {sorted(set(weights) - expected)[:5]}")
+    model.load_state_dict(weights, strict=False)
+    return model.to(model.embed_tokens.weight.device)
