@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draftflow.errors import ConfigError
+from draftflow.fields import BoolOrFraction, Device, Regex
 
 
 class Section(BaseModel):
@@ -34,7 +35,7 @@ class TinyTargetConfig(Section):
     num_kv_heads: int = Field(1, ge=1)
     head_dim: int = Field(32, ge=4)
     vocab_size: int = Field(512, ge=300, description="BPE vocabulary to train")
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = Field(2048, ge=16)
     seed: int = 0
 
 
@@ -45,7 +46,7 @@ class TargetConfig(Section):
     revision: str | None = None
     tiny: TinyTargetConfig = TinyTargetConfig()
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    device: Device = "auto"
 
 
 class SourceConfig(Section):
@@ -57,8 +58,8 @@ class SourceConfig(Section):
     `curate.total_rows` (or, without it, the largest mix the weights allow).
     """
 
-    name: str
-    path: str | None = Field(None, description="file or glob: local, s3://…; .jsonl/.json(.gz|.zst) or .parquet")
+    name: str = Field(min_length=1)
+    path: str | None = Field(None, min_length=1, description="file/glob (local, s3://): .jsonl(.gz|.zst) or .parquet")
     hf: str | None = Field(None, description="Hugging Face dataset name, read with datasets' streaming loader")
     hf_config: str | None = None
     hf_split: str = "train"
@@ -89,13 +90,22 @@ class CurateConfig(Section):
     min_prompt_tokens: int | None = Field(None, ge=0, description="counted with curate.tokenizer (or the target's)")
     max_prompt_tokens: int | None = Field(None, ge=1)
     tokenizer: str | None = Field(None, description="tokenizer for token bounds; null = the target's")
-    blocklist: list[str] = Field(default_factory=list, description="regexes; a prompt matching any is dropped")
+    blocklist: list[Regex] = Field(default_factory=list, description="regexes; a prompt matching any is dropped")
     max_non_latin: float | None = Field(
         None, ge=0.0, le=1.0, description="drop prompts whose letters are more than this share non-Latin")
     near_dup_threshold: float | None = Field(
         None, gt=0.0, le=1.0, description="MinHash LSH near-dup removal at this Jaccard; null = off (0.9 typical)")
     near_dup_ngram: int = Field(3, ge=1, description="word n-grams hashed for near-dup")
     total_rows: int | None = Field(None, ge=1, description="mixture size shared by weighted sources")
+
+    @model_validator(mode="after")
+    def _bounds_ordered(self) -> CurateConfig:
+        for unit, lo, hi in (("chars", self.min_prompt_chars, self.max_prompt_chars),
+                             ("tokens", self.min_prompt_tokens, self.max_prompt_tokens)):
+            if lo is not None and hi is not None and lo > hi:
+                raise ValueError(f"curate.min_prompt_{unit}={lo} is above curate.max_prompt_{unit}={hi}; "
+                                 "no prompt can pass")
+        return self
 
 
 class OpenAIEngineConfig(Section):
@@ -135,7 +145,7 @@ class RegenerateConfig(Section):
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="null = generation_config.json")
     top_k: int | None = Field(None, ge=0, description="null = generation_config.json")
     batch_size: int = Field(16, ge=1)
-    enable_thinking: bool | float = Field(
+    enable_thinking: BoolOrFraction = Field(
         False, description="true / false, or the fraction of conversations (0..1) generated with thinking on")
     length_policy: Literal["drop", "keep"] = Field("drop", description="rows with a turn cut by max_new_tokens")
     tool_mismatch: Literal["cut", "drop"] = Field(
@@ -205,7 +215,7 @@ class TrainConfig(Section):
     num_anchors: int = Field(512, ge=1)
     gamma: float | None = Field(None, gt=0.0, description="null = 7/5/4 for B=16/10/8")
     checkpoint_every: int = Field(100, ge=1)
-    device: str = "auto"
+    device: Device = "auto"
     seed: int = 0
     length_buckets: bool = Field(True, description="batch_size > 1: group sequences of similar length")
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (one per GPU)")
@@ -223,7 +233,7 @@ class TrainConfig(Section):
 class EvaluateConfig(Section):
     max_new_tokens: int = Field(128, ge=1)
     num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
-    device: str = "auto"
+    device: Device = "auto"
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="hf: draftflow's own speculative decoding; vllm: also serve both exports with vLLM's "
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
@@ -260,8 +270,8 @@ class LockConfig(Section):
 
 
 class RunConfig(Section):
-    name: str = "run"
-    root: str | None = Field(None, description="local folder or s3://bucket/prefix")
+    name: str = Field("run", min_length=1)
+    root: str | None = Field(None, min_length=1, description="local folder or s3://bucket/prefix")
     target: TargetConfig = TargetConfig()
     curate: CurateConfig = CurateConfig()
     regenerate: RegenerateConfig = RegenerateConfig()

@@ -36,7 +36,7 @@ def target_config(cfg: RunConfig, target: TargetRef):
 
     try:
         return AutoConfig.from_pretrained(target.path, revision=cfg.target.revision)
-    except OSError as exc:
+    except (OSError, ValueError, KeyError) as exc:  # missing, not JSON, or no known model_type
         raise ConfigError(f"cannot load the target config from {target.path}: {exc}".splitlines()[0]) from None
 
 

@@ -12,6 +12,7 @@ manifest, else estimated from its upstream and the config). It never loads weigh
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -37,21 +38,73 @@ from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.registry import stage_inputs, stage_names, upstream_of
 from draftflow.store import Store
-from draftflow.target import TargetRef, resolve_target
+from draftflow.target import TargetRef, check_target_files, resolve_target
 
 log = logging.getLogger(__name__)
+# Below this, a root cannot hold even curate's shards and the run's records: stop before any work.
+MIN_FREE_BYTES = 64 << 20
+# One conversation every chat template must render (system prompts and tools are optional in templates).
+PROBE_CONVERSATION = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4."}]
+
+
 def preflight(cfg: RunConfig) -> TargetRef:
-    """Fail fast, before any work, on a bad drafter section, unreachable sources, a bad target, its chat
-    template, or bad taps."""
+    """Fail fast, before any work and without writing, on anything that can be checked up front: the
+    drafter section, the run root (writable, with space), each source file (reachable, its format sniffed),
+    the curate tokenizer, the target (config, weights' headers, tokenizer, one conversation rendered with
+    its chat template), taps, engines. Each failure is a one-line `DraftflowError` naming what to fix."""
     check_drafter(cfg.drafter)  # target-free: kind, tap count, layer types (one line each)
+    check_root(cfg.root)
     check_sources(cfg.curate)
+    _check_curate_tokenizer(cfg)
     target = resolve_target(cfg.target)
+    if Path(target.path).is_dir():  # a hub id is checked when it is downloaded
+        check_target_files(target.path)
     _check_taps(cfg, target)
     _check_chat(cfg, target)
     check_engine(cfg, target)
     check_online(cfg)
     check_vllm(cfg, target)
     return target
+
+
+def check_root(root: str, free=None) -> None:
+    """The run root can be written: a known protocol; locally, its nearest existing folder is a writable
+    folder with at least MIN_FREE_BYTES free. Writes nothing (an object store is checked by the run lock)."""
+    if "://" in root and not root.startswith("file://"):
+        import fsspec
+
+        try:
+            fsspec.core.url_to_fs(root)
+        except (ValueError, ImportError) as exc:  # unknown protocol, or its package is not installed
+            raise ConfigError(f"root {root}: {exc}; use a local folder or s3://bucket/prefix") from None
+        return
+    path = Path(root.removeprefix("file://")).expanduser().absolute()
+    near = next(p for p in (path, *path.parents) if p.exists())
+    if not near.is_dir():
+        raise ConfigError(f"root {root}: {near} is a file, not a folder; choose another root")
+    if not os.access(near, os.W_OK | os.X_OK):
+        raise ConfigError(f"root {root} is not writable ({near} refuses this user, or is read-only); "
+                          "fix its permissions or choose another root")
+    avail = (free or free_space)(root)
+    if avail is not None and avail < MIN_FREE_BYTES:
+        raise ConfigError(f"root {root} has {human_bytes(avail)} free (a run needs at least "
+                          f"{human_bytes(MIN_FREE_BYTES)} before extract's features); free space or move root")
+
+
+def _check_curate_tokenizer(cfg: RunConfig) -> None:
+    """`curate.tokenizer` (when set) loads: a local folder that exists, with tokenizer files."""
+    name = cfg.curate.tokenizer
+    if name is None:
+        return
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+        raise ConfigError(f"curate.tokenizer {name} is not a folder; give a tokenizer folder or an HF model id")
+    from draftflow.data.filters import load_tokenizer
+
+    try:
+        load_tokenizer(name)
+    except Exception as exc:  # transformers raises OSError, ValueError or the tokenizers library's own errors
+        raise ConfigError(f"curate.tokenizer {name} cannot be loaded ({' '.join(str(exc).split())[:300]}); "
+                          "point it at a folder with tokenizer files or an HF model id") from None
 
 
 def check_vllm(cfg: RunConfig, target: TargetRef) -> None:
@@ -72,8 +125,26 @@ def check_vllm(cfg: RunConfig, target: TargetRef) -> None:
 def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
     """The target must have a chat template, and `all_turns` needs a prefix-stable one."""
     from draftflow.chat import ChatFormat
+    from draftflow.errors import ConversationError
 
-    chat = ChatFormat.from_pretrained(target.path)
+    try:
+        chat = ChatFormat.from_pretrained(target.path)
+    except DraftflowError as exc:  # name the model: a template error alone does not say whose template
+        if target.path in str(exc):
+            raise
+        raise ConfigError(f"target.path {target.path}: {exc}") from None
+    except Exception as exc:  # a corrupt tokenizer.json raises the tokenizers library's own errors
+        raise ConfigError(f"cannot load the tokenizer of target.path {target.path} "
+                          f"({' '.join(str(exc).split())[:300]}); re-download it") from None
+    thinking = cfg.regenerate.enable_thinking
+    for value in (False, True) if not isinstance(thinking, bool) else (thinking,):
+        try:
+            if not chat.encode(PROBE_CONVERSATION, enable_thinking=value):
+                raise ConversationError("it supervises no token of the assistant's answer")
+        except ConversationError as exc:
+            raise ConfigError(f"the chat template of {target.path} fails on a one-turn conversation "
+                              f"(enable_thinking={value}): {' '.join(str(exc).split())[:300]}; fix its "
+                              "chat_template (chat_template.jinja or tokenizer_config.json)") from None
     if cfg.tokenize.policy == "all_turns" and not chat.is_prefix_stable(enable_thinking=cfg.regenerate.enable_thinking):
         raise ConfigError(
             f"tokenize.policy=all_turns needs a prefix-stable chat template, but {target.path}'s rewrites "

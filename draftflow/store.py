@@ -11,6 +11,7 @@ the manifest is written last. This module knows nothing of what shards hold.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -237,3 +238,67 @@ def shard_entry(name: str, local_file: str, rows: int, tokens: int = 0, **extra:
         "sha256": sha256_file(local_file),
         **extra,
     }
+
+
+# ----------------------------------------------------------------------------- storage errors
+
+_ERRNO_CAUSES = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EFBIG: "no_space",
+                 errno.EACCES: "permission", errno.EPERM: "permission", errno.EROFS: "permission",
+                 errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EISDIR: "not_found",
+                 errno.ECONNREFUSED: "endpoint", errno.EHOSTUNREACH: "endpoint", errno.ENETUNREACH: "endpoint"}
+_CREDENTIAL_WORDS = ("credentials", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                     "InvalidToken", "TokenRefreshRequired")
+_ENDPOINT_WORDS = ("Could not connect to the endpoint", "EndpointConnectionError", "Invalid endpoint",
+                   "Name or service not known", "nodename nor servname")
+# Causes a retry cannot fix: the user must act (free space, permissions, credentials). A file not found
+# mid-stage is left retryable: there it is more often a race (a shard removed under a cached task) than a typo.
+USER_CAUSES = {"no_space", "permission", "credentials"}
+
+
+def storage_cause(exc: BaseException) -> str | None:
+    """Why storage refused: "no_space", "permission", "not_found", "credentials", "endpoint", or None.
+
+    Reads the errno of an OSError (local files; s3fs maps S3's AccessDenied/NoSuchKey to them),
+    else botocore's exception names and error codes (which are not OSErrors). None: unclassified.
+    """
+    names = {c.__name__ for c in type(exc).__mro__}
+    text = f"{type(exc).__name__}: {exc}"
+    if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"} or any(
+            w in text for w in _CREDENTIAL_WORDS):
+        return "credentials"
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "InvalidEndpointConfigurationError"} or any(
+            w in text for w in _ENDPOINT_WORDS):
+        return "endpoint"
+    code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # botocore ClientError
+    if code in ("AccessDenied", "403", "AllAccessDisabled"):
+        return "permission"
+    if code in ("NoSuchBucket", "NoSuchKey", "404"):
+        return "not_found"
+    if isinstance(exc, OSError):
+        return _ERRNO_CAUSES.get(exc.errno or 0) or ("permission" if isinstance(exc, PermissionError) else
+                                                    "not_found" if isinstance(exc, FileNotFoundError) else None)
+    return None
+
+
+_HINTS = {
+    "no_space": "the device is full; free space there or move root (extract.force=true only skips the space "
+                "estimate; extract.dtype=float8 or extract.mode=online need less)",
+    "permission": "permission denied; make it writable by this user or choose another root (s3://: the "
+                  "bucket's policy must allow it)",
+    "not_found": "it does not exist; check the path (root, curate.sources[].path, target.path) and, for s3://, "
+                 "the bucket name",
+    "credentials": "no valid credentials; for s3:// set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                   "AWS_PROFILE) in the environment",
+    "endpoint": "the endpoint cannot be reached; check AWS_ENDPOINT_URL (or the network) for s3://",
+}
+_UNKNOWN_HINT = "check the path and, for s3://, the AWS credentials and AWS_ENDPOINT_URL"
+
+
+def storage_error_message(exc: BaseException, where: str | None = None) -> str:
+    """One line for a storage error naming the file, its hint chosen by `storage_cause`."""
+    where = where or getattr(exc, "filename", None) or "the run root or a source"
+    detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    detail = " ".join(f"{type(exc).__name__}: {detail}".split())
+    cause = storage_cause(exc)
+    head = "storage refused the request for" if cause in ("credentials", "endpoint") else "cannot access"
+    return f"{head} {where} ({detail}); {_HINTS.get(cause or '', _UNKNOWN_HINT)}"

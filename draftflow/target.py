@@ -6,6 +6,9 @@ same code path. The tiny target is a Qwen3-architecture causal LM with random
 weights from a fixed seed and a byte-level BPE tokenizer trained on the
 bundled sample text, with a ChatML template written for draftflow. It is
 built deterministically, so its fingerprint is stable across machines.
+`check_target_files` checks a local target's config and weights from their headers only
+(a safetensors file's 8-byte length, JSON header and the size its offsets imply), so a
+half-written download stops preflight in one line instead of failing at load.
 This module does not know about stages, stores or Prefect.
 """
 
@@ -17,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import threading
 import weakref
@@ -108,6 +112,66 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path | None = None) -> TargetRe
     if cfg.revision is None:
         log.warning("target %s has no revision pinned; the cache cannot see hub updates", cfg.path)
     return TargetRef(cfg.path, f"hf-{cfg.path}@{cfg.revision or 'unpinned'}".replace("/", "--"))
+
+
+# A safetensors header is a few KB to a few MB of JSON; anything bigger is not a header.
+MAX_SAFETENSORS_HEADER = 100 << 20
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_target_files(path: str | Path) -> None:
+    """A local target folder's config.json is JSON and its weights are whole (headers only; no weights read).
+
+    Raises:
+        ConfigError: naming the file and what is wrong (missing, not JSON, truncated, a shard missing).
+    """
+    folder = Path(path)
+    _read_json(folder / "config.json", "target.path")
+    present = [name for name in WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise ConfigError(f"target.path {folder} has no weights (none of {', '.join(WEIGHT_FILES)}); "
+                          "finish the download or point target.path at a complete model folder")
+    if "model.safetensors.index.json" in present:
+        index = _read_json(folder / "model.safetensors.index.json", "target.path")
+        shards = sorted(set((index.get("weight_map") or {}).values())) if isinstance(index, dict) else []
+        for name in shards:
+            if not (folder / name).is_file():
+                raise ConfigError(f"target weights {folder / name} (listed in model.safetensors.index.json) are "
+                                  "missing; finish the download of target.path")
+            check_safetensors(folder / name)
+    elif "model.safetensors" in present:
+        check_safetensors(folder / "model.safetensors")
+
+
+def _read_json(file: Path, field: str) -> object:
+    try:
+        return json.loads(file.read_bytes())
+    except FileNotFoundError:
+        raise ConfigError(f"{field} {file.parent} has no {file.name}; point it at an HF model folder") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file} is not JSON ({exc}); re-download {field} {file.parent}") from None
+
+
+def check_safetensors(file: Path) -> None:
+    """The file is a whole safetensors file: an 8-byte header length, a JSON header, and exactly the
+    bytes its tensors' data_offsets end at (a truncated or half-written file is caught here)."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < n <= min(MAX_SAFETENSORS_HEADER, size - 8):
+            raise ConfigError(f"target weights {file} are not a safetensors file ({size} bytes, header length "
+                              f"{n}): truncated or corrupt; re-download target.path")
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise ConfigError(f"target weights {file} have an unreadable safetensors header ({exc}); "
+                              "re-download target.path") from None
+    if 8 + n + end != size:
+        raise ConfigError(f"target weights {file} have {size} bytes but their header describes {8 + n + end}: "
+                          "a truncated (half-written) file; finish or redo the download of target.path")
 
 
 def build_tiny_target(cfg: TinyTargetConfig, cache_dir: Path) -> TargetRef:

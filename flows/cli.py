@@ -296,16 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     except DraftflowError as exc:
         print(f"draftflow: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # storage unreachable or refused (e.g. s3:// without credentials)
-        where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-        print(f"draftflow: error: cannot access the run root or a source{where}: {exc}; "
-              "check the path and, for s3://, the AWS credentials in the environment", file=sys.stderr)
-        return 2
-    except Exception as exc:  # botocore's credential/endpoint errors are not OSErrors
-        if type(exc).__module__.split(".")[0] not in STORAGE_LIBRARIES:
+    except Exception as exc:  # storage refused: OSErrors, and botocore's errors (which are not OSErrors)
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in STORAGE_LIBRARIES:
             raise
-        print(f"draftflow: error: storage refused the request ({type(exc).__name__}: {exc}); "
-              "for s3:// set AWS credentials (or AWS_ENDPOINT_URL) in the environment", file=sys.stderr)
+        from draftflow.store import storage_error_message
+
+        print(f"draftflow: error: {storage_error_message(exc)}", file=sys.stderr)
         return 2
 
 

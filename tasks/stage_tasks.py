@@ -20,7 +20,7 @@ from draftflow.errors import DraftflowError
 from draftflow.stages import curate, evaluate, train
 from draftflow.stages.common import Source, shard_key
 from draftflow.stages.registry import spec
-from draftflow.store import Store
+from draftflow.store import USER_CAUSES, Store, storage_cause
 from draftflow.target import TargetRef, resolve_target
 
 
@@ -34,8 +34,8 @@ def _transient(task, task_run, state) -> bool:
         state.result()
     except DraftflowError:
         return False
-    except Exception:
-        return True
+    except Exception as exc:  # a full disk, a denied write or bad credentials: retrying cannot fix them
+        return storage_cause(exc) not in USER_CAUSES
     return True
 
 

@@ -6,7 +6,11 @@ inferred from the extension) or parquet (read in row batches). Hugging Face
 datasets are read with `datasets`' streaming loader, imported lazily (the
 optional extra `draftflow[hf]`). Nothing here holds more than one batch of a
 source in memory; lines that cannot be parsed come out as `BadRow`s to count,
-never as exceptions. This module knows nothing about row shapes (see sources.py).
+never as exceptions; a file that cannot be read at all (another format, truncated,
+corrupt, refused by storage) is a `SourceError` naming it. `sniff_file` checks a file's
+format from its first bytes (parquet: its magic and footer) so preflight stops a bad
+file before any work without reading it whole. This module knows nothing about row shapes
+(see sources.py).
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ import fsspec
 from draftflow.config import SourceConfig
 from draftflow.data.sources import BadRow
 from draftflow.errors import SourceError
+from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
 
 PARQUET_BATCH = 1024
+SNIFF_BYTES = 64 << 10
+PARQUET_MAGIC = b"PAR1"
 
 
 def _hf():
@@ -52,16 +59,30 @@ def source_files(src: SourceConfig) -> list[str]:
         found = sorted(fs.glob(path)) if fsspec.core.has_magic(path) else ([path] if fs.exists(path) else [])
         found = [f for f in found if not fs.isdir(f)]
     except Exception as exc:  # a bad URL, missing credentials, unknown protocol
-        raise SourceError(f"source '{src.name}': cannot reach {src.path} ({exc})") from None
+        raise SourceError(f"source '{src.name}': {storage_error_message(exc, src.path)}") from None
+    if not found and not fsspec.core.has_magic(path) and fs.isdir(path):
+        raise SourceError(f"source '{src.name}': path {src.path} is a folder; give a file or a glob such as "
+                          f"{src.path.rstrip('/')}/*.jsonl in curate.sources[].path")
     if not found:
         raise SourceError(f"source '{src.name}': path {src.path} does not exist; fix curate.sources[].path")
     return [fs.unstrip_protocol(f) for f in found] if "://" in src.path else found
 
 
 def check_source(src: SourceConfig) -> None:
-    """Fail at stage start, before any work, when a source cannot be reached."""
+    """Fail at stage start, before any work, when a source cannot be reached or a file of it
+    is not in its format (sniffed from its first bytes; many files are sniffed in parallel)."""
     if src.hf is None:
-        source_files(src)
+        files = source_files(src)
+        try:
+            if len(files) == 1:
+                sniff_file(files[0])
+                return
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(min(16, len(files))) as pool:
+                list(pool.map(sniff_file, files))
+        except SourceError as exc:
+            raise SourceError(f"source '{src.name}': {exc}") from None
         return
     try:
         _open_hf(src)
@@ -90,11 +111,106 @@ def source_key(src: SourceConfig) -> str:
 
 
 def read_file(path: str) -> Iterator[dict[str, Any] | BadRow]:
-    """Raw rows of one file: parquet by extension, JSONL otherwise."""
-    if path.endswith(".parquet"):
-        yield from _read_parquet(path)
-    else:
-        yield from _read_jsonl(path)
+    """Raw rows of one file: parquet by extension, JSONL otherwise.
+
+    Raises:
+        SourceError: naming the file, when it is not in its format, truncated, or storage refuses it
+            for a cause a retry cannot fix. Other errors (a dropped connection) pass unchanged.
+    """
+    try:
+        if path.endswith(".parquet"):
+            yield from _read_parquet(path)
+        else:
+            yield from _read_jsonl(path)
+    except SourceError:
+        raise
+    except Exception as exc:
+        error = read_error(path, exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _format_errors() -> tuple[type[BaseException], ...]:
+    """What reading a file in the wrong format raises: decompressors' and pyarrow's errors."""
+    import gzip
+    import lzma
+    import zlib
+
+    import pyarrow as pa
+
+    errors: list[type[BaseException]] = [EOFError, gzip.BadGzipFile, lzma.LZMAError, zlib.error,
+                                         UnicodeDecodeError, pa.ArrowException]
+    try:
+        import zstandard
+
+        errors.append(zstandard.ZstdError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def read_error(path: str, exc: BaseException) -> BaseException:
+    """The `SourceError` naming `path` for a failed read; `exc` itself when a retry may fix it."""
+    if isinstance(exc, _format_errors()):
+        kind = "parquet" if path.endswith(".parquet") else "JSON Lines"
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        return SourceError(f"cannot read {path} as {kind} ({type(exc).__name__}: {detail}); the file is "
+                           "truncated, corrupt or in another format: fix or remove it, or fix curate.sources[].path")
+    if storage_cause(exc) in USER_CAUSES | {"not_found"}:
+        return SourceError(storage_error_message(exc, path))
+    return exc
+
+
+def sniff_file(path: str) -> None:
+    """Check that a source file is in the format its name says, from its first bytes only.
+
+    Parquet: the magic at both ends and a readable footer. JSON Lines (plain or compressed):
+    the first 64 KiB decompress, are UTF-8 text, and start with a JSON object.
+
+    Raises:
+        SourceError: naming the file and what is wrong with it.
+    """
+    try:
+        (_sniff_parquet if path.endswith(".parquet") else _sniff_jsonl)(path)
+    except SourceError:
+        raise
+    except Exception as exc:
+        error = read_error(path, exc)
+        if error is exc:
+            raise
+        raise error from None
+
+
+def _sniff_parquet(path: str) -> None:
+    import pyarrow.parquet as pq
+
+    with fsspec.open(path, "rb") as fh:
+        head = fh.read(4)
+        size = fh.seek(0, 2)
+        tail = b""
+        if size >= 12:
+            fh.seek(size - 4)
+            tail = fh.read(4)
+        if head != PARQUET_MAGIC or tail != PARQUET_MAGIC:
+            raise SourceError(f"{path} is not a parquet file ({size} bytes, no {PARQUET_MAGIC!r} magic at its "
+                              f"{'start' if head != PARQUET_MAGIC else 'end'}: truncated, or another format); "
+                              "fix or remove it, or fix curate.sources[].path")
+        fh.seek(0)
+        pq.ParquetFile(fh)  # parses the footer (schema, row groups): no row data is read
+
+
+def _sniff_jsonl(path: str) -> None:
+    with _open_lines(path) as fh:
+        head = fh.read(SNIFF_BYTES)
+    if b"\x00" in head:
+        raise SourceError(f"{path} is binary, not JSON Lines text (compressed files need a .gz, .zst, .bz2 or "
+                          ".xz name; parquet a .parquet name); fix or remove it, or fix curate.sources[].path")
+    text = head.decode("utf-8", "replace").lstrip("\ufeff \t\r\n")
+    if text and not text.startswith("{"):
+        what = "a JSON array" if text.startswith("[") else f"{text[:20]!r}"
+        raise SourceError(f"{path} starts with {what}, not a JSON object: draftflow reads JSON Lines (one "
+                          "object per line); convert it, or fix curate.sources[].path")
 
 
 def read_hf(src: SourceConfig) -> Iterator[dict[str, Any] | BadRow]:
