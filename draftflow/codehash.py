@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+from collections.abc import Iterator
 from pathlib import Path
 
 PACKAGE = "draftflow"
@@ -45,12 +46,18 @@ def _module_name(root: Path, path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imported(root: Path, path: Path) -> set[str]:
+def _imported(root: Path, path: Path) -> frozenset[str]:
     """Dotted names of every library module `path` imports, anywhere in the file."""
+    st = path.stat()
+    return _imported_version(root, path, st.st_mtime_ns, st.st_size)
+
+
+@functools.cache  # stages share most of their modules: each version of a file is parsed once per process
+def _imported_version(root: Path, path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     this = _module_name(root, path)
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in _statements(ast.parse(path.read_text(), filename=str(path)).body):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -61,7 +68,16 @@ def _imported(root: Path, path: Path) -> set[str]:
                 base = node.module or ""
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import submodule`
-    return {n for n in names if n.split(".")[0] == root.name}
+    return frozenset(n for n in names if n.split(".")[0] == root.name)
+
+
+def _statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
+    """Every statement in `nodes` and the blocks nested in them (an import is always a statement;
+    skipping expressions makes this several times faster than `ast.walk`)."""
+    for node in nodes:
+        yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            yield from _statements(getattr(node, block, None) or [])
 
 
 def closure(root: Path, module: str) -> list[Path]:

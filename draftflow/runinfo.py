@@ -88,23 +88,27 @@ def recorded_config(root: str) -> RunConfig:
 
 def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
     """Per stage: stage, state ("complete", "to run", "waits"), fingerprint, path (its output folder,
-    None while its inputs are unknown), and for a complete stage its rows_in, rows_out, dropped (by
-    reason), tokens, shards and bytes from its manifest. Reads manifests; runs nothing."""
-    from draftflow.plan import plan
+    None while its inputs are unknown); for a complete stage its rows_in, rows_out, dropped (by
+    reason), tokens, shards and bytes from its manifest; for the stage to run its `progress` (shards
+    done, in-shard checkpoints, train's resume step: `runstate.stage_progress`) and its `older` results.
+    Reads manifests and file listings; runs nothing and imports no torch or Prefect."""
+    from draftflow.runstate import stage_progress, stage_states
     from draftflow.target import resolve_target
 
     store = Store(cfg.root)
     target = target or resolve_target(cfg.target)
+    states, manifests = stage_states(cfg, target.fingerprint)
     out = []
-    for s in plan(cfg, target):
+    for s in states:
         entry = {k: s[k] for k in ("stage", "state", "fingerprint")}
         fp = s["fingerprint"]
         entry["path"] = store.url(store.stage_path(s["stage"], fp)) if fp else None
         if s["state"] == "complete":
-            m = store.read_json(store.stage_path(s["stage"], fp, MANIFEST))
+            m = manifests[s["stage"]]
             entry |= {k: m[k] for k in ("rows_in", "rows_out", "dropped", "tokens")}
             entry |= {"shards": len(m["shards"]), "bytes": sum(int(x["bytes"]) for x in m["shards"]), "manifest": m}
         else:
+            entry["progress"] = stage_progress(store, cfg, s["stage"], fp, manifests) if fp else None
             entry["older"] = older_results(store, cfg, s["stage"], fp)
         out.append(entry)
     return out

@@ -89,9 +89,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def cmd_plan(args) -> int:
     from draftflow.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a config error answers before the stages are imported
     from draftflow.plan import environment, plan, preflight
 
-    cfg = load_config(args.config, args.overrides)
     target = preflight(cfg)
     env = environment(cfg)
     free = "unknown (object store)" if env["free_bytes"] is None else f"{_size(env['free_bytes'])} free"
@@ -113,9 +114,13 @@ def _num(n) -> str:
 
 
 def _size(n) -> str:
-    from draftflow.plan import human_bytes
-
-    return "-" if n is None else human_bytes(n)
+    """Bytes as `plan.human_bytes` writes them (here, so `status` need not import the stages plan does)."""
+    if n is None:
+        return "-"
+    units, k = ("B", "KiB", "MiB", "GiB", "TiB"), 0
+    while abs(n) >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"
 
 
 def _duration(seconds) -> str:
@@ -129,9 +134,10 @@ def _duration(seconds) -> str:
 
 def cmd_run(args) -> int:
     from draftflow.config import load_config
+
+    cfg = load_config(args.config, args.overrides)  # a config error answers before the stages are imported
     from draftflow.plan import preflight
 
-    cfg = load_config(args.config, args.overrides)
     preflight(cfg)
     _prefect_env()
     _cpu_threads()
@@ -263,7 +269,8 @@ def cmd_deploy(args) -> int:
 
 
 def cmd_status(args) -> int:
-    """One header line, then per stage: state, rows in -> out, dropped by reason, tokens, output folder."""
+    """One header line, then per stage: state, rows in -> out, dropped by reason, tokens, output folder;
+    under the stage to run, how far it got (shards done, checkpointed rows or parts, train's resume step)."""
     from draftflow.config import load_config
     from draftflow.runinfo import recorded_config, stage_status
 
@@ -278,6 +285,8 @@ def cmd_status(args) -> int:
         if s["state"] != "complete":
             where = s["path"] or "(waits for its inputs)"
             print(f"  {s['stage']:<11} {s['state']:<9} {where}")
+            if s["progress"]:
+                print(f"  {'':<11} {'':<9} {_progress(s['progress'])}")
             for o in s["older"][:3]:  # why earlier results of this stage are not reused
                 print(f"  {'':<11} {'':<9} older result {o['path']} differs in: {', '.join(o['why'])}")
             continue
@@ -285,6 +294,19 @@ def cmd_status(args) -> int:
         print(f"  {s['stage']:<11} {s['state']:<9} rows {s['rows_in']:>7} -> {s['rows_out']:<7} "
               f"tokens {_num(s['tokens']):>11}  {_size(s['bytes']):>10}  dropped {dropped}  {s['path']}")
     return 0
+
+
+def _progress(p: dict) -> str:
+    """What an unfinished stage has done: shards committed and checkpointed, or train's resume step."""
+    if "resume_step" in p:
+        if p["resume_step"] is None:
+            return "no checkpoint yet: starts at step 0"
+        return f"resumes from step {p['resume_step']} ({p['checkpoint']})"
+    text = f"{p['shards_done']}/{p['shards']} shards done"
+    if p["partial_rows"] or p["partial_parts"]:
+        held = f"{p['partial_rows']} rows" if p["partial_rows"] else f"{p['partial_parts']} part files"
+        text += f", {held} checkpointed in unfinished shards"
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,6 +59,17 @@ def test_second_run_reuses_every_stage_and_touches_nothing(uninterrupted):
     assert _files(root, STAGES) == before
 
 
+def test_status_of_a_finished_run_reads_manifests_only(uninterrupted):
+    """`draftflow status <run folder>` lists every stage complete without importing torch,
+    transformers or Prefect (it reads manifests; a fresh interpreter shows what it imported)."""
+    from tests.test_runstate import cli_imports
+
+    root, _ = uninterrupted
+    got, proc = cli_imports("status", str(root))
+    assert got == {"rc": 0, "heavy": []}, proc.stderr
+    assert proc.stdout.splitlines()[0].endswith("6/6 stages complete")
+
+
 def test_deleted_stage_output_is_recomputed_not_taken_from_a_cache(uninterrupted):
     import shutil
 
@@ -74,6 +85,7 @@ def test_deleted_stage_output_is_recomputed_not_taken_from_a_cache(uninterrupted
 def test_crash_in_train_then_rerun_reuses_earlier_stages_and_equals_uninterrupted(
         uninterrupted, tmp_path, monkeypatch):
     import draftflow.training.loop as train_lib
+    from draftflow.runinfo import stage_status
     from flows.pipeline import pipeline
 
     real_save = train_lib.save_checkpoint
@@ -88,6 +100,12 @@ def test_crash_in_train_then_rerun_reuses_earlier_stages_and_equals_uninterrupte
         pipeline(tiny_config(root))
     train_dirs = list((root / "train").iterdir())
     assert not any((d / "manifest.json").exists() for d in train_dirs)  # nothing looks complete
+    # Status names the checkpoint the rerun resumes from (each of Prefect's tries saved one before crashing).
+    train = [s for s in stage_status(tiny_config(root)) if s["stage"] == "train"][0]
+    newest = max((root / "train").glob("*/work/checkpoints/step_*"))
+    assert train["state"] == "to run" and train["progress"] == {
+        "resume_step": int(newest.name.removeprefix("step_")), "checkpoint": str(newest)}
+    assert train["progress"]["resume_step"] % 8 == 0  # train.checkpoint_every=8
     before = _files(root, STAGES[:4])
     monkeypatch.setattr(train_lib, "save_checkpoint", real_save)
     resumed = pipeline(tiny_config(root))

@@ -11,7 +11,9 @@ stage "to run").
 What it does not know: Prefect, and the stage's work itself (the stage modules do it;
 the flows map a task per shard). Trade-off: this module imports the stage modules it
 describes, so no stage module may import it (a stage's code hash covers the modules it
-imports, and one stage's edit must not recompute the others).
+imports, and one stage's edit must not recompute the others). It imports them when a
+stage's function is first called, not at import: they pull torch and transformers, and
+`draftflow status` and a config error must answer without them.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any
 
 from draftflow.config import STAGE_SECTIONS, RunConfig
 from draftflow.errors import ConfigError
-from draftflow.stages import extract, regenerate, tokenize
 
 
 def _no_gpus(cfg: RunConfig) -> int:
@@ -36,6 +37,37 @@ def _vllm_group(engine: Callable[[RunConfig], str]) -> Callable[[RunConfig], int
     def gpus(cfg: RunConfig) -> int:
         return cfg.regenerate.vllm.tensor_parallel_size if engine(cfg) == "vllm" else 1
     return gpus
+
+
+# The stage functions, each importing its module when called (see the module docstring).
+def _regenerate_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    from draftflow.stages import regenerate
+
+    return regenerate.run_shard(*args, **kwargs)
+
+
+def _regenerate_check(*args: Any, **kwargs: Any) -> None:
+    from draftflow.stages import regenerate
+
+    regenerate.check_engine(*args, **kwargs)
+
+
+def _tokenize_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    from draftflow.stages import tokenize
+
+    return tokenize.run_shard(*args, **kwargs)
+
+
+def _tokenize_finish(*args: Any, **kwargs: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    from draftflow.stages import tokenize
+
+    return tokenize.finish_stage(*args, **kwargs)
+
+
+def _extract_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+    from draftflow.stages import extract
+
+    return extract.run_shard(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -77,10 +109,10 @@ class StageSpec:
 _REGISTRY: list[StageSpec] = [
     StageSpec("curate", (), uses_target=False),
     StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
-              split="train", run_shard=regenerate.run_shard, check=regenerate.check_engine),
-    StageSpec("tokenize", ("regenerate",), run_shard=tokenize.run_shard, finish=tokenize.finish_stage),
+              split="train", run_shard=_regenerate_shard, check=_regenerate_check),
+    StageSpec("tokenize", ("regenerate",), run_shard=_tokenize_shard, finish=_tokenize_finish),
     StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
-              run_shard=extract.run_shard),
+              run_shard=_extract_shard),
     StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node),
     StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine)),
 ]
