@@ -32,11 +32,11 @@ from draftflow.estimate import (
     target_config,
     train_tokens,
 )
-from draftflow.stages.common import data_shards, fingerprint, manifest_digest
+from draftflow.runstate import stage_states
+from draftflow.stages.common import data_shards
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
-from draftflow.stages.registry import stage_inputs, stage_names, upstream_of
 from draftflow.store import Store
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
@@ -212,31 +212,11 @@ def human_bytes(n: float) -> str:
 # ----------------------------------------------------------------------------- plan
 
 
-def _states(cfg: RunConfig, target: TargetRef) -> tuple[list[dict[str, Any]], dict[str, dict]]:
-    """Per stage its fingerprint and state; and the manifests of the complete stages."""
-    store = Store(cfg.root)
-    digests: dict[str, str] = {}
-    manifests: dict[str, dict] = {}
-    out, blocked = [], False
-    for stage in stage_names():
-        ups = upstream_of(stage)
-        if blocked or any(u not in digests for u in ups):
-            out.append({"stage": stage, "fingerprint": None, "state": "waits"})
-            continue
-        fp = fingerprint(stage, cfg, stage_inputs(cfg, stage, target.fingerprint, digests))
-        manifest = store.read_manifest(stage, fp)
-        blocked = manifest is None
-        out.append({"stage": stage, "fingerprint": fp, "state": "to run" if blocked else "complete"})
-        if manifest is not None:
-            digests[stage], manifests[stage] = manifest_digest(manifest), manifest
-    return out, manifests
-
-
 def plan(cfg: RunConfig, target: TargetRef) -> list[dict[str, Any]]:
     """One entry per stage: stage, fingerprint (None while its inputs are unknown), state
     ("complete", "to run", "waits"), rows, tokens, bytes (None when unknown), basis
     ("measured" from its manifest, "estimated", "unknown") and seconds (None when done or unknown)."""
-    states, manifests = _states(cfg, target)
+    states, manifests = stage_states(cfg, target.fingerprint)
     shape = model_shape(cfg, target)
     rows, per_row = source_estimate(cfg)
     ctx = {"source_rows": rows, "prompt_tokens": per_row / CHARS_PER_TOKEN, **shape}
