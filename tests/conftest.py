@@ -79,6 +79,22 @@ TINY_OVERRIDES = [
 ]
 
 
+# Conversations an engine must answer like transformers does: a single turn, a system prompt, multi-turn
+# with thinking on, and a tool call with its result (the HTTP engine's and the vLLM engine's tests).
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": CITY}}]
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hello there"}], {"enable_thinking": False}),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}], {}),
+    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+      {"role": "user", "content": "How are you?"}], {"enable_thinking": True}),
+    ([{"role": "user", "content": "Weather in Paris?"},
+      {"role": "assistant", "content": "", "tool_calls": [
+          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+      {"role": "tool", "content": "sunny"}], {"tools": TOOLS, "enable_thinking": False}),
+]
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     from draftflow.config import TargetConfig

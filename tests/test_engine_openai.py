@@ -14,21 +14,10 @@ from draftflow.engines.base import GenRequest, SamplingParams
 from draftflow.engines.hf import HFEngine
 from draftflow.engines.openai import EngineRequestError, EngineUnreachable, OpenAIEngine
 from draftflow.errors import ConfigError
+from tests.conftest import CONVERSATIONS, TOOLS
 from tests.openai_server import OpenAITestServer
 
 PARAMS = SamplingParams(max_new_tokens=6)
-CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": CITY}}]
-CONVERSATIONS = [
-    ([{"role": "user", "content": "Hello there"}], {"enable_thinking": False}),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}], {}),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-      {"role": "user", "content": "How are you?"}], {"enable_thinking": True}),
-    ([{"role": "user", "content": "Weather in Paris?"},
-      {"role": "assistant", "content": "", "tool_calls": [
-          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-      {"role": "tool", "content": "sunny"}], {"tools": TOOLS, "enable_thinking": False}),
-]
 
 
 @pytest.fixture(scope="module")

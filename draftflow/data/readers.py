@@ -117,18 +117,11 @@ def read_file(path: str) -> Iterator[dict[str, Any] | BadRow]:
         SourceError: naming the file, when it is not in its format, truncated, or storage refuses it
             for a cause a retry cannot fix. Other errors (a dropped connection) pass unchanged.
     """
-    try:
+    with naming_the_file(path):
         if path.endswith(".parquet"):
             yield from _read_parquet(path)
         else:
             yield from _read_jsonl(path)
-    except SourceError:
-        raise
-    except Exception as exc:
-        error = read_error(path, exc)
-        if error is exc:
-            raise
-        raise error from exc
 
 
 def _format_errors() -> tuple[type[BaseException], ...]:
@@ -162,6 +155,21 @@ def read_error(path: str, exc: BaseException) -> BaseException:
     return exc
 
 
+@contextmanager
+def naming_the_file(path: str) -> Iterator[None]:
+    """Turn an error reading `path` into a `SourceError` naming it when `read_error` says the user must
+    fix it (a wrong format, a refused read); other errors, e.g. a dropped connection, pass unchanged."""
+    try:
+        yield
+    except SourceError:
+        raise
+    except Exception as exc:
+        error = read_error(path, exc)
+        if error is exc:
+            raise
+        raise error from None
+
+
 def sniff_file(path: str) -> None:
     """Check that a source file is in the format its name says, from its first bytes only.
 
@@ -171,15 +179,8 @@ def sniff_file(path: str) -> None:
     Raises:
         SourceError: naming the file and what is wrong with it.
     """
-    try:
+    with naming_the_file(path):
         (_sniff_parquet if path.endswith(".parquet") else _sniff_jsonl)(path)
-    except SourceError:
-        raise
-    except Exception as exc:
-        error = read_error(path, exc)
-        if error is exc:
-            raise
-        raise error from None
 
 
 def _sniff_parquet(path: str) -> None:

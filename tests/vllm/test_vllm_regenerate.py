@@ -19,23 +19,11 @@ from draftflow.engines.hf import HFEngine
 from draftflow.stages import curate, regenerate
 from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
-from tests.conftest import tiny_config
+from tests.conftest import CONVERSATIONS, tiny_config
 from tests.vllm.conftest import VLLM_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
 PARAMS = SamplingParams(max_new_tokens=12)
-CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": CITY}}]
-CONVERSATIONS = [  # single turn, system prompt, multi-turn with thinking on, a tool call and its result
-    ([{"role": "user", "content": "Hello there"}], {"enable_thinking": False}),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}], {}),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-      {"role": "user", "content": "How are you?"}], {"enable_thinking": True}),
-    ([{"role": "user", "content": "Weather in Paris?"},
-      {"role": "assistant", "content": "", "tool_calls": [
-          {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
-      {"role": "tool", "content": "sunny"}], {"tools": TOOLS, "enable_thinking": False}),
-]
 KILLED = """
 import sys, json
 from draftflow.config import RunConfig
