@@ -12,7 +12,7 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-fast test-slow test-vllm lint server clean
+.PHONY: demo test test-fast test-slow test-vllm test-reliability lint server clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -41,22 +41,27 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 demo: $(STAMP)
 	$(BIN)/draftflow run configs/tiny.yaml
 
-# The full suite (vLLM's tests are their own leg).
+# The full suite (vLLM's tests and the reliability suite are their own legs).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm"
+	$(BIN)/python -m pytest -q -m "not vllm and not reliability"
 
 # The default while developing (under 2 min on 2 cores): leaves out the tests tests/conftest.py marks slow
 # (whole pipelines, Prefect flows and their server, spawned processes).
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and not slow"
+	$(BIN)/python -m pytest -q -m "not vllm and not slow and not reliability"
 
 # The rest of `make test`: test-fast + test-slow = test (CI runs them in that order to fail fast).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and slow"
+	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability"
 
 # Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
 test-vllm: $(VSTAMP)
 	$(VLLM_ENV) $(VBIN)/python -m pytest -q -m vllm -p no:cacheprovider
+
+# Bad inputs, SIGKILL at 5+ points in every stage then resume, S3 faults (5xx, SlowDown, resets) through a
+# fault-injecting proxy in front of moto: tests/reliability/ (marked `reliability`; not in test/test-fast/test-slow).
+test-reliability: $(STAMP)
+	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider
 
 lint: $(STAMP)
 	$(BIN)/ruff check draftflow flows tasks tests benchmarks

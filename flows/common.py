@@ -20,7 +20,7 @@ from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
 from draftflow.report import location_uri
-from draftflow.stages.common import fingerprint, manifest_digest
+from draftflow.stages.common import fingerprint, manifest_digest, tidy_complete
 from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
 from flows.deploy import gpu_slot
@@ -64,7 +64,10 @@ def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, st
     """(store, fingerprint, complete manifest or None) for this stage."""
     store = Store(cfg.root)
     fp = fingerprint(stage, cfg, inputs)
-    return store, fp, store.read_manifest(stage, fp)
+    manifest = store.read_manifest(stage, fp)
+    if manifest is not None:  # a run killed after the manifest left its resume folders
+        tidy_complete(store, stage, fp)
+    return store, fp, manifest
 
 
 def map_shards(task_fn, store: Store, stage: str, shards: list[dict],

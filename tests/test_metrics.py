@@ -51,6 +51,15 @@ def test_files_hold_the_values(tmp_path):
     assert scalars(tmp_path, "final/tokens_per_s") == [(4, 123.0)]
 
 
+def test_metrics_files_are_the_same_bytes_on_every_write(tmp_path):
+    """A resumed run rewrites them: no time, host or pid in their names or bytes (they are fingerprinted)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    files = write_metrics(one, METRICS, history=HISTORY)
+    assert files == write_metrics(two, METRICS, history=HISTORY)
+    assert "metrics/tensorboard/events.out.tfevents.draftflow" in files
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+
+
 def test_without_history_still_writes(tmp_path):
     files = write_metrics(tmp_path, {**METRICS, "loss": None}, history=[])
     assert "metrics/loss.png" in files

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
@@ -110,9 +111,36 @@ def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str
     check_accounting(manifest, stage)
     Manifest.model_validate(manifest)  # the typed contract, before anything is written
     store.write_manifest(stage, fp, manifest)
+    tidy_complete(store, stage, fp)
     log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"],
              manifest["dropped"])
     return manifest
+
+
+# Resume folders: in-shard checkpoints (regenerate, extract), source parts (curate), train's work folder
+# (checkpoints, work copies of the exports). Dead weight once the stage's manifest is written.
+SCRATCH = ("partial", "parts", "work")
+
+
+def remove_scratch(store: Store, stage: str, fp: str, name: str) -> None:
+    """Remove one resume folder of a complete stage; best effort (a failure only logs)."""
+    path = store.stage_path(stage, fp, name)
+    try:
+        if store.exists(path):
+            store.fs.rm(path, recursive=True)
+    except OSError as exc:
+        log.warning("%s: could not remove %s (%s); it is not needed any more", stage, store.url(path), exc)
+
+
+def tidy_complete(store: Store, stage: str, fp: str) -> None:
+    """Leave a complete stage folder holding what its manifest lists: no resume folders, and (local roots)
+    no temp files of writes a killed process never committed. Run when the manifest is written and again
+    when a complete stage is reused, since a run can be killed between the manifest and the clean-up."""
+    for name in SCRATCH:
+        remove_scratch(store, stage, fp, name)
+    if store.is_local:
+        for tmp in Path(store.stage_path(stage, fp)).glob(".*.tmp"):  # Store.writing's mkstemp names
+            tmp.unlink(missing_ok=True)
 
 
 class EmptyStage(DraftflowError):

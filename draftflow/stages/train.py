@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,11 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
              "trained_tokens": tokens, "features": cfg.extract.mode,
              "export": exports, "serve": serve_lines(out, target.path, exports), "files": files}
     manifest = finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
-    if mirror and store.fs.exists(mirror):  # the stage is complete: its resume copies are no longer needed
+    # The stage is complete: its resume copies (checkpoints, work copies of the exports) are no longer needed.
+    if mirror and store.fs.exists(mirror):
         store.fs.rm(mirror, recursive=True)
+    if not store.is_local:  # the local work folder of a remote root (finalize removed a local root's)
+        shutil.rmtree(out, ignore_errors=True)
     return manifest
 
 

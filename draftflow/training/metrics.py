@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 METRICS_DIR = "metrics"
 TB_DIR = "tensorboard"
+TB_EVENTS = "events.out.tfevents.draftflow"  # fixed: no time, host or pid in a fingerprinted name
 SUMMARY_JSON = "training_metrics.json"
 LOSS_PNG = "loss.png"
 ACCURACY_PNG = "accuracy.png"
@@ -83,21 +84,36 @@ def write_metrics(out_dir: str | Path, metrics: dict[str, Any], history: list[fl
 
 
 def write_tensorboard(log_dir: Path, metrics: dict[str, Any], history: list[float | None], step: int) -> None:
-    """`train/loss` per step; final scalars under `final/` and `accuracy/pos_k` at the last step."""
-    from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` package
+    """`train/loss` per step; final scalars under `final/` and `accuracy/pos_k` at the last step.
 
+    One events file under a fixed name (`TB_EVENTS`) with wall times derived from the step, never the
+    clock: SummaryWriter names its file after the time, host and pid and stamps every event with the
+    time, which made a resumed run's train manifest (and so evaluate's fingerprint) differ from an
+    uninterrupted run's. TensorBoard reads any file whose name contains `tfevents`.
+    """
+    from tensorboard.compat.proto.event_pb2 import Event  # needs the `tensorboard` package
+    from tensorboard.compat.proto.summary_pb2 import Summary
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    events = [Event(wall_time=0.0, step=0, file_version="brain.Event:2")]
+
+    def scalar(tag: str, value: float, at: int) -> None:
+        events.append(Event(wall_time=float(at), step=at, summary=Summary(value=[Summary.Value(tag=tag,
+                                                                                              simple_value=value)])))
+
+    for i, loss in enumerate(history, start=1):
+        if loss is not None:
+            scalar("train/loss", loss, i)
+    for key, value in scalars(metrics).items():
+        scalar(f"final/{key}", value, step)
+    for k, acc in enumerate(metrics.get("accuracy") or [], start=1):
+        scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
     shutil.rmtree(log_dir, ignore_errors=True)  # a re-run replaces the events, never appends a second file
-    writer = SummaryWriter(log_dir=str(log_dir))
-    try:
-        for i, loss in enumerate(history, start=1):
-            if loss is not None:
-                writer.add_scalar("train/loss", loss, i)
-        for key, value in scalars(metrics).items():
-            writer.add_scalar(f"final/{key}", value, step)
-        for k, acc in enumerate(metrics.get("accuracy") or [], start=1):
-            writer.add_scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
-    finally:
-        writer.close()
+    log_dir.mkdir(parents=True)
+    with open(log_dir / TB_EVENTS, "wb") as fh:
+        writer = RecordWriter(fh)
+        for event in events:
+            writer.write(event.SerializeToString())
 
 
 def _figure():

@@ -1,0 +1,85 @@
+"""`python -m flows.cli run …` with one kill point armed: the child stops dead at an exact event.
+
+Run as `python -m tests.reliability.killable <kill point> <marker file> -- <draftflow cli args>`.
+A kill point is one of
+
+- `file:<glob>:<n>`: right after the n-th file or folder this process commits (os.replace / os.rename,
+  as the store, the stages and checkpoints do) whose path relative to the run root matches `<glob>`;
+- `call:<module>:<function>:<n>`: at the n-th call of a module-level function (e.g. a training step).
+
+At the kill point the thread that reached it writes the marker file and blocks; the test sees the marker
+appear and SIGKILLs the whole process group, so the kill lands at that event and not at whatever the
+other threads reach during a sleep. Without a kill point (`-`) this is the plain CLI.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import importlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def _freeze(marker: str, limit_s: float = 300) -> None:
+    Path(marker).write_text(str(os.getpid()))
+    time.sleep(limit_s)  # the test kills the process group now
+    os._exit(3)  # never killed (the test itself died): do not linger
+
+
+def _arm_file(glob: str, n: int, root: str, marker: str) -> None:
+    count, lock = [0], threading.Lock()
+    root = os.path.abspath(root)
+
+    def hook(real):
+        def commit(src, dst, *args, **kw):
+            real(src, dst, *args, **kw)
+            rel = os.path.relpath(os.path.abspath(os.fspath(dst)), root)
+            if os.environ.get("KILLABLE_LOG"):  # every commit, to choose kill points
+                with open(os.environ["KILLABLE_LOG"], "a") as fh:
+                    fh.write(rel + "\n")
+            if fnmatch.fnmatch(rel, glob):
+                with lock:
+                    count[0] += 1
+                    hit = count[0] == n
+                if hit:
+                    _freeze(marker)
+        return commit
+
+    os.replace, os.rename = hook(os.replace), hook(os.rename)
+
+
+def _arm_call(module: str, name: str, n: int, marker: str) -> None:
+    mod = importlib.import_module(module)
+    real, count, lock = getattr(mod, name), [0], threading.Lock()
+
+    def call(*args, **kw):
+        with lock:
+            count[0] += 1
+            hit = count[0] == n
+        if hit:
+            _freeze(marker)
+        return real(*args, **kw)
+
+    setattr(mod, name, call)
+
+
+def main(argv: list[str]) -> int:
+    point, marker, sep, *cli = argv
+    assert sep == "--", "usage: killable <kill point> <marker> -- <cli args>"
+    root = next(a.split("root=", 1)[1] for a in reversed(cli) if a.removeprefix("--set=").startswith("root="))
+    if point != "-":
+        kind, *spec = point.split(":")
+        if kind == "file":
+            _arm_file(spec[0], int(spec[1]), root, marker)
+        else:
+            _arm_call(spec[0], spec[1], int(spec[2]), marker)
+    from flows.cli import main as cli_main
+
+    return cli_main(cli)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

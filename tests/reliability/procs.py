@@ -1,0 +1,152 @@
+"""Helpers of the reliability suite: a Prefect server for CLI runs, runs killed at a kill point, run folders.
+
+Each CLI run is its own process group (start_new_session), so SIGKILL takes the run and anything it
+started. One `prefect server start` serves a module: a run then skips the ~7 s temporary server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+# tests/conftest.py TINY_OVERRIDES plus in-shard checkpoints every 4 conversations (regenerate) and
+# a training checkpoint every 4 steps, so every stage has several commits to be killed after.
+TINY = ["curate.shard_rows=16", "regenerate.max_new_tokens=24", "regenerate.checkpoint_every=4",
+        "train.max_steps=24", "train.checkpoint_every=4", "evaluate.max_new_tokens=16", "evaluate.num_prompts=2",
+        "drafter.num_layers=1"]
+
+
+SOURCES = ("draftflow", "flows", "tasks", "configs", "tests", "pyproject.toml")
+
+
+def snapshot_code(dest: Path) -> Path:
+    """A copy of the code that runs are started from (their cwd comes first on sys.path, before the
+    editable install), so an edit to the working tree during a long test changes no stage fingerprint."""
+    dest.mkdir(parents=True, exist_ok=True)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "fixtures")
+    for name in SOURCES:
+        src = ROOT / name
+        (shutil.copytree(src, dest / name, ignore=ignore) if src.is_dir() else shutil.copy2(src, dest / name))
+    return dest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def prefect_server(tmp: Path):
+    """A `prefect server start` on a free port; yields the env for CLI runs that report to it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PREFECT_UI_ENABLED="false")
+    log_path = tmp / "server.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}/api"
+        try:
+            _wait_healthy(url, proc, log_path)
+            yield {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home")}
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def code_dir(env: dict) -> Path:
+    """Where runs start (`CODE_SNAPSHOT` in env: a `snapshot_code` copy; else the repository)."""
+    return Path(env.get("CODE_SNAPSHOT") or ROOT)
+
+
+def cli_args(root: str, *extra: str) -> list[str]:
+    sets = [f"--set={s}" for s in (f"root={root}", *TINY, *extra)]
+    return ["run", "configs/tiny.yaml", *sets]
+
+
+def run_to_end(env: dict, root: str, log: Path, *extra: str, timeout: float = 300) -> None:
+    """A whole run (no kill point); fails the test with the log's tail if it does not succeed."""
+    cmd = [sys.executable, "-m", "tests.reliability.killable", "-", "-", "--", *cli_args(root, *extra)]
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
+                            start_new_session=True).returncode
+    assert rc == 0, f"run exited {rc}:\n{log.read_text()[-4000:]}"
+
+
+def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, timeout: float = 180) -> None:
+    """Start a run with `point` armed, wait for its marker (the event happened), SIGKILL its process group."""
+    marker = log.with_suffix(".killed")
+    marker.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "tests.reliability.killable", point, str(marker), "--", *cli_args(root, *extra)]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        end = time.monotonic() + timeout
+        try:
+            while not marker.exists():
+                if proc.poll() is not None:
+                    pytest.fail(f"kill point {point} never reached (run exited {proc.returncode}):\n"
+                                f"{log.read_text()[-4000:]}")
+                if time.monotonic() > end:
+                    pytest.fail(f"kill point {point} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
+                time.sleep(0.01)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def manifests(root: Path) -> dict[str, bytes]:
+    """stage -> manifest.json bytes of every stage folder under `root`."""
+    return {str(p.relative_to(root).parent): p.read_bytes() for p in sorted(root.glob("*/*/manifest.json"))}
+
+
+def leftovers(root: Path) -> list[str]:
+    """What a completed run should not hold: work/ or partial/ folders, temp files, empty folders."""
+    bad = []
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root)
+        if rel.parts[0] == "_prefect_results":
+            continue
+        if p.is_dir() and (p.name in ("work", "partial", "parts") or not any(p.iterdir())):
+            bad.append(f"{rel}/")
+        elif p.is_file() and (p.name.endswith((".tmp", ".part")) or p.name.startswith(".")):
+            bad.append(str(rel))
+    return bad
+
+
+def sha256_tree(root: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file in a stage folder (not Prefect's results, not run.json)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.glob("*/*/**/*")) if p.is_file() and not p.relative_to(root).parts[0].startswith("_")}

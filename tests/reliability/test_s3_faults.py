@@ -1,0 +1,132 @@
+"""S3 faults: 5xx, throttling and connection resets between draftflow and a real S3 server (moto).
+
+A fault-injecting proxy (`tests/reliability/faulty_s3.py`) sits on 127.0.0.1 in front of moto and fails
+chosen requests; s3fs talks to the proxy. Each store operation a stage uses (atomic shard commit, manifest
+write, manifest read, checksummed download, exists, listing, delete) must come through every fault with
+nothing lost, and a whole pipeline run through faults must write the same manifests as a run without.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.conftest import moto_s3
+from tests.reliability.faulty_s3 import Fault, FaultyProxy
+
+pytestmark = pytest.mark.reliability
+BUCKET = "draftflow-faults"
+PUT, GET = r"^/draftflow-faults/runs/.+", r"^/draftflow-faults/runs/.+"
+
+# (id, fault): each one fails the first (or nth) matching request (or `times` in a row).
+FAULTS = [
+    ("put-500", Fault("PUT", PUT, "500")),
+    ("put-503-slowdown-x3", Fault("PUT", PUT, "503", times=3)),
+    ("put-reset-mid-upload", Fault("PUT", PUT, "reset")),
+    ("put-reset-2nd-upload", Fault("PUT", PUT, "reset", nth=2)),
+    ("get-500", Fault("GET", GET + r"shard\.bin", "500")),
+    ("get-503-slowdown", Fault("GET", GET + r"manifest\.json", "503", times=2)),
+    ("get-reset", Fault("GET", GET + r"shard\.bin", "reset")),
+    ("head-503", Fault("HEAD", GET, "503")),
+    ("list-500", Fault("GET", r"^/draftflow-faults/?\?.*list-type=2", "500")),
+    ("bulk-delete-500", Fault("POST", r"^/draftflow-faults/?\?delete", "500")),
+]
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint():
+    with moto_s3() as endpoint:
+        import s3fs
+
+        s3fs.S3FileSystem().mkdir(BUCKET)
+        yield endpoint
+
+
+@pytest.fixture
+def through(moto_endpoint, monkeypatch):
+    """Point s3fs at a proxy with `faults` in front of moto; yields the proxy."""
+    import s3fs
+
+    def start(*faults: Fault) -> FaultyProxy:
+        proxy = FaultyProxy(moto_endpoint, list(faults))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.__enter__())
+        s3fs.S3FileSystem.clear_instance_cache()
+        started.append(proxy)
+        return proxy
+
+    started: list[FaultyProxy] = []
+    yield start
+    for proxy in started:
+        proxy.__exit__(None, None, None)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def _stage_round_trip(root: str) -> None:
+    """What a stage does on its store: commit shards, write and read the manifest, read shards back, clean up."""
+    from draftflow.stages.common import remove_scratch
+    from draftflow.store import Store, shard_entry
+
+    store = Store(root)
+    payload = os.urandom(300_000)  # several TCP segments: a reset lands mid-body
+    entries = []
+    for name in ("shard.bin", "partial/part-0.bin"):
+        with store.writing(store.stage_path("s", "fp", name)) as tmp:
+            open(tmp, "wb").write(payload)
+            entries.append(shard_entry(name, tmp, rows=1))
+    manifest = {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
+                "shards": entries[:1], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0,
+                "extra": {}}
+    store.write_manifest("s", "fp", manifest)
+    remove_scratch(store, "s", "fp", "partial")
+    assert store.read_manifest("s", "fp") == manifest
+    assert store.sha_matches("s", "fp", entries[0])
+    assert open(store.verify_sha("s", "fp", entries[0]), "rb").read() == payload
+    assert sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(store.stage_path("s", "fp"), refresh=True)) == [
+        "manifest.json", "shard.bin"]  # the partial is gone, nothing else was left
+
+
+@pytest.mark.parametrize("fault", [f for _, f in FAULTS], ids=[i for i, _ in FAULTS])
+def test_store_operations_survive_the_fault(through, fault, request):
+    proxy = through(fault)
+    _stage_round_trip(f"s3://{BUCKET}/runs/{request.node.callspec.id}")
+    assert fault.hits == fault.times, f"the fault never fired (requests: {proxy.requests})"
+
+
+def _manifests(root: str) -> dict[str, str]:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    base = root.removeprefix("s3://")
+    return {p[len(base) + 1:]: fs.cat_file(p).decode() for p in sorted(fs.glob(f"{base}/*/*/manifest.json"))}
+
+
+def test_a_run_through_faults_writes_the_manifests_of_a_run_without(through, tmp_path):
+    """The CLI run (a subprocess) through 5xx, SlowDown and resets mid-upload of shards, checkpoints and
+    manifests: it succeeds, and its manifests (every shard's sha256, the weights, τ) equal a clean run's."""
+    import s3fs
+
+    from draftflow.store import default_cache_dir
+    from tests.reliability.procs import run_to_end, snapshot_code
+
+    root = f"s3://{BUCKET}/runs/pipeline"  # both runs in one root: the train manifest names its store URLs
+    through()
+    code = str(snapshot_code(tmp_path / "code"))  # both runs see the same code, whatever the tree does meanwhile
+    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, root, tmp_path / "clean.log")
+    want = _manifests(root)
+    s3fs.S3FileSystem().rm(root, recursive=True)
+    faults = [Fault("PUT", r"/train-00003\.", "reset"), Fault("PUT", r"/manifest\.json", "503", times=2),
+              Fault("PUT", r"/train-0000[0-9]\.safetensors", "500", nth=2), Fault("GET", r"/train-00001\.", "503"),
+              Fault("HEAD", r"/runs/pipeline/", "503", nth=5), Fault("PUT", r"/checkpoint/model", "reset"),
+              Fault("PUT", r"/partial/", "500", nth=3), Fault("GET", r"list-type=2", "500", nth=3)]
+    through(*faults)
+    # Shards the clean run downloaded would be read from the local cache, not through the faults (a cache of
+    # its own would move the target too, whose local path the train manifest's serve lines name).
+    shutil.rmtree(default_cache_dir() / "store", ignore_errors=True)
+    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, root, tmp_path / "faulty.log")
+    got = _manifests(root)
+    assert [f.hits for f in faults] == [f.times for f in faults]
+    assert sorted(got) == sorted(want)
+    for name, text in got.items():
+        assert text == want[name], f"{name} differs from the run without faults"
