@@ -275,10 +275,12 @@ def test_deployments_from_the_yaml_run_on_process_workers_under_the_gpu_limit(se
     # A GPU stage holds a slot of the strict `gpu` limit: it runs with the limit, fails without one.
     no_limit = {"job_variables": {"env": {"DRAFTFLOW_GPU_LIMIT": "no-such-limit"}}}
     # Another seed: its own regenerate stage, which must run (a reused stage takes no slot), whichever
-    # of the two concurrent runs finishes first.
-    other = {**params, "overrides": [*params["overrides"], "regenerate.seed=1"]}
-    regen, missing = _run_deployments(url, env, "gpu", [("draftflow-stage/regenerate", params, {}),
-                                                                 ("draftflow-stage/regenerate", other, no_limit)])
+    # of the two concurrent runs finishes first. They share the root, so the second waits for the run lock.
+    waiting = [*params["overrides"], "lock.wait_s=600"]
+    other = {**params, "overrides": [*waiting, "regenerate.seed=1"]}
+    first = {**params, "overrides": waiting}
+    regen, missing = _run_deployments(url, env, "gpu", [("draftflow-stage/regenerate", first, {}),
+                                                        ("draftflow-stage/regenerate", other, no_limit)])
     assert regen.state.name == "Completed", regen.state.message
     assert list(root.glob("regenerate/*/manifest.json"))
     assert missing.state.name == "Failed" and "no-such-limit" in missing.state.message
