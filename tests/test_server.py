@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, tiny_config
+from tests.reliability.procs import wait_healthy
 
 STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
 NAME = "server-test"
@@ -46,7 +47,7 @@ def server(tmp_path_factory):
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        _wait_healthy(url, proc, tmp / "server.log")
+        wait_healthy(url, proc, tmp / "server.log")
         client_env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home"),
                       "DRAFTFLOW_HOME": str(ROOT)}
         yield url, client_env, tmp
@@ -57,20 +58,6 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def _client(url: str):
@@ -302,7 +289,7 @@ def test_draftflow_server_ui_reaches_its_api_on_any_port_and_sigterm_stops_the_c
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/api"
     try:
-        _wait_healthy(url, proc, tmp_path / "server.log")
+        wait_healthy(url, proc, tmp_path / "server.log")
         settings = httpx.get(f"http://127.0.0.1:{port}/ui-settings", timeout=10).json()
         assert settings["api_url"] == url  # the browser UI calls this API: the one that answers
         assert httpx.get(f"{settings['api_url']}/health", timeout=10).status_code == 200

@@ -62,7 +62,7 @@ def prefect_server(tmp: Path):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url = f"http://127.0.0.1:{port}/api"
         try:
-            _wait_healthy(url, proc, log_path)
+            wait_healthy(url, proc, log_path)
             yield {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home")}
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -72,7 +72,8 @@ def prefect_server(tmp: Path):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    """Poll `url`/health until the server answers 200; fail the test with its log if it exits or never does."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
