@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-import draftflow.evaluate as ev
+import draftflow.evaluation.decode as ev
 from draftflow.config import EvaluateConfig, TrainConfig
 from draftflow.drafters import dflash as dflash_kind
 from draftflow.drafters.dflash import draft_block
 from draftflow.errors import LosslessError
-from draftflow.evaluate import (
+from draftflow.evaluation.decode import (
     acceptance_stats,
     capture_taps,
     evaluate_prompts,

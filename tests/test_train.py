@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.evaluate import capture_taps
+from draftflow.evaluation.decode import capture_taps
 from draftflow.features import FeatureSample
 from draftflow.training.batches import (
     IGNORE,

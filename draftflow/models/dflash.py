@@ -15,7 +15,7 @@ What DFlash changes relative to a Qwen3 decoder (each marked `# DFlash:`):
 
 What it does not know: how the features were captured (the caller passes
 them, tap i = DFlash layer id `target_layer_ids[i]`, see `draftflow.layers`),
-anchors, losses or decoding loops (see `draftflow.training`, `draftflow.evaluate`).
+anchors, losses or decoding loops (see `draftflow.training`, `draftflow.evaluation.decode`).
 
 Key trade-off: callers pass one explicit boolean mask (B, Q, C+Q) built by
 `block_attention_mask`, which is simple, exact and runs on CPU, but costs

@@ -123,7 +123,7 @@ def test_a_wrong_mask_token_in_the_export_fails_the_serving_check(dflash_run, tm
 def _eval_prompts_and_greedy(cfg, summary, tiny_target):
     """The evaluate stage's prompts, the target's greedy output for each, and its stop ids."""
     from draftflow.chat import ChatFormat
-    from draftflow.evaluate import greedy_generate
+    from draftflow.evaluation.decode import greedy_generate
     from draftflow.stages.evaluate import eval_prompts
     from draftflow.target import eos_token_ids, load_target
 
