@@ -1,28 +1,33 @@
 """The contracts between stages, typed: a shard's manifest entry, a shard task's result, a stage's
-manifest and a stage flow's result.
+manifest, a stage flow's result, and where training finds its features.
 
-Every one is checked where it crosses a boundary: a shard result when a shard function returns it
-(`stages.common.shard_result`), a manifest when it is written (`stages.common.finalize`) and when it
-is read back (`Store.read_manifest`), a stage result when a flow returns it. The JSON on disk stays
-the readable dict it always was, plus a `version`; code passes the validated dicts (`model_dump`
-is not applied, so extra fields a stage records, such as a shard's `split` or `layer_ids`, keep
-their place and the manifest digest its meaning).
+Code passes these frozen models, never dicts: a shard function returns a `ShardResult`, `finalize`
+builds a `Manifest` from them, `Store.read_manifest` returns one, a stage flow returns a
+`StageResult` holding it, and train reads its features through a `FeatureSource`. Each is validated
+where it is made, so a wrong count or a missing field fails at the stage that produced it.
 
-Versions: a manifest without `version` was written before versions existed and has the same
-fields (version 1): it is read as such. A manifest of a newer version than this code knows is
-refused in one line (`ManifestError`), never overwritten; one that is not a manifest at all is
-treated as absent, so the stage is recomputed (contract 8).
+On disk a manifest is the readable JSON it always was (`Manifest.to_json`: fields that are unset are
+left out) plus a `version`. Versions: a manifest without `version` was written before versions
+existed and has the same fields (version 1): it is read as such. A manifest of a newer version than
+this code knows is refused in one line (`ManifestError`), never overwritten; one that is not a
+manifest at all is treated as absent, so the stage is recomputed (contract 8).
+
+Paths: a manifest names files relative to its stage folder (`ShardEntry.name`, the train stage's
+`extra.checkpoint` and exports), never by an absolute path or URL, so a resumed run's manifest equals
+an uninterrupted one's byte for byte and a run root can be moved or copied (`Store.stage_path` resolves them).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from draftflow.errors import StoreError
 
-MANIFEST_VERSION = 2  # 2: `version` recorded; 1: the same fields without it
+log = logging.getLogger(__name__)
+MANIFEST_VERSION = 3  # 3: paths in `extra` relative to the stage folder; 2: `version` recorded; 1: no version
 
 
 class ManifestError(StoreError):
@@ -34,7 +39,11 @@ class _Frozen(BaseModel):
 
 
 class ShardEntry(BaseModel):
-    """One committed file of a stage: what `store.shard_entry` records (stages may add fields)."""
+    """One committed file of a stage (`store.shard_entry` makes it from the file just written).
+
+    The optional fields are what particular stages record; a file of another kind may carry more
+    (extra fields are kept, typed as JSON values).
+    """
 
     model_config = ConfigDict(frozen=True, extra="allow")
     name: str = Field(min_length=1)
@@ -42,6 +51,16 @@ class ShardEntry(BaseModel):
     tokens: int = Field(0, ge=0)
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    split: Literal["train", "eval"] | None = None  # curate, regenerate, tokenize, extract: the data split
+    kind: str | None = None  # tokenize: "freq" for the token counts
+    layer_ids: tuple[int, ...] | None = None  # extract: the taps stored (decoder layer outputs)
+    dtype: str | None = None  # extract: the storage format of the features
+    tokenize_fingerprint: str | None = None  # extract: the tokenize stage the sequences came from
+    sequences: int | None = Field(None, ge=0)  # tokenize: rows (sequences) the shard's conversations became
+    supervised_tokens: int | None = Field(None, ge=0)  # tokenize: tokens under the loss mask
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
 
 
 def _check_accounting(rows_in: int, rows_out: int, dropped: dict[str, int], what: str) -> None:
@@ -51,15 +70,19 @@ def _check_accounting(rows_in: int, rows_out: int, dropped: dict[str, int], what
                          f"dropped={dropped})")
 
 
-class ShardResult(BaseModel):
-    """What a shard task returns: its output and reject shards, and its accounting (contract 4)."""
+class ShardResult(_Frozen):
+    """What a shard task returns: its output and reject shards, and its accounting (contract 4).
 
-    model_config = ConfigDict(frozen=True, extra="allow")  # stage-specific counts (finish reasons, ...)
+    `info` holds a stage's own per-shard figures that its `finish` sums (regenerate's finish reasons,
+    tokenize's token-count shard and sequence drops).
+    """
+
     shard: ShardEntry | None
-    rejected: ShardEntry | None
+    rejected: ShardEntry | None = None
     rows_in: int = Field(ge=0)
     rows_out: int = Field(ge=0)
-    dropped: dict[str, int]
+    dropped: dict[str, int] = {}
+    info: dict[str, Any] = {}
 
     @model_validator(mode="after")
     def _accounted(self) -> ShardResult:
@@ -70,14 +93,14 @@ class ShardResult(BaseModel):
 class Manifest(_Frozen):
     """A complete stage: written last, it is what makes the stage complete (contract 3)."""
 
-    version: int = 1
+    version: int = MANIFEST_VERSION
     stage: str
     fingerprint: str
     code_version: str
     config: dict[str, Any]
     inputs: dict[str, str | None]
-    shards: list[ShardEntry]
-    rejected: list[ShardEntry] = []
+    shards: tuple[ShardEntry, ...]
+    rejected: tuple[ShardEntry, ...] = ()
     rows_in: int = Field(ge=0)
     rows_out: int = Field(ge=0)
     dropped: dict[str, int]
@@ -88,6 +111,15 @@ class Manifest(_Frozen):
     def _accounted(self) -> Manifest:
         _check_accounting(self.rows_in, self.rows_out, self.dropped, self.stage)
         return self
+
+    def data_shards(self, split: str | None = None) -> list[ShardEntry]:
+        """The data shards, optionally of one split (`split=None`: every shard)."""
+        return [s for s in self.shards if split is None or s.split == split]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest as written to disk (and digested): JSON values, unset shard fields left out."""
+        data = self.model_dump(mode="json", exclude={"shards", "rejected"})
+        return data | {"shards": [s.to_json() for s in self.shards], "rejected": [s.to_json() for s in self.rejected]}
 
 
 class StageResult(_Frozen):
@@ -101,8 +133,48 @@ class StageResult(_Frozen):
     manifest: Manifest
 
 
-def check_manifest(data: Any, where: str) -> dict[str, Any] | None:
-    """`data` (a manifest read from `where`) if it is one this code can use, else None (recompute).
+class StoredFeatures(_Frozen):
+    """Features the extract stage stored: its train shards (each with the taps it holds)."""
+
+    mode: Literal["stored"] = "stored"
+    fingerprint: str  # the extract stage's
+    shards: tuple[ShardEntry, ...]
+
+
+class OnlineFeatures(_Frozen):
+    """Features computed per training step by a co-located target from the tokenize stage's shards."""
+
+    mode: Literal["online"] = "online"
+    tokenize_fingerprint: str
+    shards: tuple[ShardEntry, ...]
+
+
+FeatureSource = Annotated[StoredFeatures | OnlineFeatures, Field(discriminator="mode")]
+
+
+def read_feature_source(data: dict[str, Any]) -> StoredFeatures | OnlineFeatures:
+    """A `FeatureSource` from its JSON (what the train stage hands each torchrun rank)."""
+    return TypeAdapter(FeatureSource).validate_python(data)
+
+
+def feature_source(extract: StageResult) -> StoredFeatures | OnlineFeatures:
+    """Where train reads its features, from the extract stage's result (stored shards or online mode)."""
+    m = extract.manifest
+    if m.extra.get("mode") == "online":
+        tok = m.extra["tokenize"]
+        return OnlineFeatures(tokenize_fingerprint=tok["fingerprint"], shards=tok["shards"])
+    return StoredFeatures(fingerprint=extract.fingerprint, shards=m.data_shards("train"))
+
+
+def tokenize_fingerprints(source: FeatureSource) -> set[str | None]:
+    """The tokenize stage(s) the features were made from (train finds the token counts there)."""
+    if isinstance(source, OnlineFeatures):
+        return {source.tokenize_fingerprint}
+    return {s.tokenize_fingerprint for s in source.shards}
+
+
+def check_manifest(data: Any, where: str) -> Manifest | None:
+    """`data` (a manifest read from `where`) as a `Manifest` if this code can use it, else None (recompute).
 
     Raises:
         ManifestError: written by a newer draftflow (its version is above MANIFEST_VERSION).
@@ -112,13 +184,9 @@ def check_manifest(data: Any, where: str) -> dict[str, Any] | None:
         raise ManifestError(f"{where} was written by a newer draftflow (manifest version {version} > "
                             f"{MANIFEST_VERSION}); upgrade draftflow, or use another root")
     try:
-        Manifest.model_validate(data)
+        return Manifest.model_validate(data | {"version": version} if isinstance(data, dict) else data)
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "manifest"
-        import logging
-
-        logging.getLogger(__name__).warning("%s is not a valid manifest (%s: %s); the stage will be recomputed",
-                                            where, field, first["msg"])
+        log.warning("%s is not a valid manifest (%s: %s); the stage will be recomputed", where, field, first["msg"])
         return None
-    return data

@@ -17,10 +17,10 @@ import os
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.contracts import Manifest
 from draftflow.drafters.registry import DRAFTERS, drafter_spec
 from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
-from draftflow.stages.common import data_shards
 from draftflow.stages.registry import stage_names, upstream_of
 from draftflow.target import TargetRef
 
@@ -54,9 +54,9 @@ def feature_bytes(cfg: RunConfig, tokens: int, n_taps: int, hidden: int) -> int:
     return 0 if cfg.extract.mode == "online" else tokens * feature_bytes_per_token(cfg, n_taps, hidden)
 
 
-def train_tokens(tokenize_manifest: dict[str, Any]) -> int:
+def train_tokens(tokenize_manifest: Manifest) -> int:
     """Tokens (supervised and context) of the tokenize stage's train sequences: what extract reads."""
-    return sum(int(s["tokens"]) for s in data_shards(tokenize_manifest, "train"))
+    return sum(s.tokens for s in tokenize_manifest.data_shards("train"))
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -109,16 +109,15 @@ def source_estimate(cfg: RunConfig) -> tuple[int | None, float]:
     return rows, nbytes / max(1, rows)
 
 
-def _split_rows(manifest: dict, split: str) -> int:
-    return sum(int(s["rows"]) for s in data_shards(manifest, split))
+def _split_rows(manifest: Manifest, split: str) -> int:
+    return sum(s.rows for s in manifest.data_shards(split))
 
 
-def _measured(stage: str, m: dict[str, Any]) -> dict[str, Any]:
-    tokens = m["extra"].get("tokens", m["tokens"]) if stage == "extract" else m["tokens"]
+def _measured(stage: str, m: Manifest) -> dict[str, Any]:
+    tokens = m.extra.get("tokens", m.tokens) if stage == "extract" else m.tokens
     if stage == "train":
-        tokens = m["extra"].get("trained_tokens", tokens)
-    size = {"basis": "measured", "rows": m["rows_out"], "tokens": tokens,
-            "bytes": sum(int(s["bytes"]) for s in m["shards"])}
+        tokens = m.extra.get("trained_tokens", tokens)
+    size = {"basis": "measured", "rows": m.rows_out, "tokens": tokens, "bytes": sum(s.bytes for s in m.shards)}
     if stage in ("curate", "tokenize"):
         size["train_rows"] = _split_rows(m, "train")
         size["train_tokens"] = train_tokens(m) if stage == "tokenize" else None
@@ -164,7 +163,7 @@ def _passes(cfg: RunConfig, rows: int) -> float:
     return min(float(cfg.train.epochs), cfg.train.max_steps * cfg.train.batch_size / rows)
 
 
-def stage_sizes(cfg: RunConfig, manifests: dict[str, dict], ctx: dict) -> dict[str, dict[str, Any]]:
+def stage_sizes(cfg: RunConfig, manifests: dict[str, Manifest], ctx: dict) -> dict[str, dict[str, Any]]:
     """Per stage: rows, tokens, bytes and basis ("measured", "estimated" or "unknown")."""
     sizes: dict[str, dict[str, Any]] = {}
     for stage in stage_names():

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.contracts import Manifest
 from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.estimate import (
@@ -33,7 +34,6 @@ from draftflow.estimate import (
     train_tokens,
 )
 from draftflow.runstate import stage_states
-from draftflow.stages.common import data_shards
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
@@ -169,7 +169,7 @@ def free_space(root: str) -> int | None:
     return shutil.disk_usage(p).free
 
 
-def check_space(cfg: RunConfig, tokenize_manifest: dict[str, Any], target: TargetRef,
+def check_space(cfg: RunConfig, tokenize_manifest: Manifest, target: TargetRef,
                 free=free_space, fp: str | None = None) -> dict[str, Any]:
     """Refuse to start extract when the destination lacks the space for its features.
 
@@ -183,7 +183,7 @@ def check_space(cfg: RunConfig, tokenize_manifest: dict[str, Any], target: Targe
     tcfg = target_config(cfg, target)
     taps = len(feature_ids(cfg.drafter, tcfg.num_hidden_layers))
     # + the largest shard again: a shard's in-shard checkpoint parts live until it is merged.
-    largest = max((int(s["tokens"]) for s in data_shards(tokenize_manifest, "train")), default=0)
+    largest = max((s.tokens for s in tokenize_manifest.data_shards("train")), default=0)
     needed = feature_bytes(cfg, train_tokens(tokenize_manifest) + largest, taps, tcfg.hidden_size)
     avail = free(cfg.root) if needed else None
     store, done = Store(cfg.root), 0

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.stages.common import data_shards, fingerprint, manifest_digest
+from draftflow.contracts import Manifest
+from draftflow.stages.common import fingerprint, manifest_digest
 from draftflow.stages.registry import spec, stage_inputs, stage_names, upstream_of
 from draftflow.store import Store, default_cache_dir
 
@@ -32,12 +33,12 @@ MIRROR_DONE = "COMPLETE"  # `training.mirror.MIRROR_DONE`: the marker of a check
 OUTPUT_SUFFIX = {"extract": ".safetensors"}  # a stage's output shard: its input's name, this suffix if listed
 
 
-def stage_states(cfg: RunConfig, target_fp: str | None) -> tuple[list[dict[str, Any]], dict[str, dict]]:
+def stage_states(cfg: RunConfig, target_fp: str | None) -> tuple[list[dict[str, Any]], dict[str, Manifest]]:
     """Per stage (in order) its stage, fingerprint (None while its inputs are unknown) and state
     ("complete", "to run", "waits"); and the manifests of the complete stages."""
     store = Store(cfg.root)
     digests: dict[str, str] = {}
-    manifests: dict[str, dict] = {}
+    manifests: dict[str, Manifest] = {}
     out, blocked = [], False
     for stage in stage_names():
         ups = upstream_of(stage)
@@ -54,7 +55,7 @@ def stage_states(cfg: RunConfig, target_fp: str | None) -> tuple[list[dict[str, 
 
 
 def stage_progress(store: Store, cfg: RunConfig, stage: str, fp: str,
-                   manifests: dict[str, dict]) -> dict[str, Any] | None:
+                   manifests: dict[str, Manifest]) -> dict[str, Any] | None:
     """What an unfinished stage under `fp` has done; None when it keeps nothing to resume from.
 
     Returns, for a stage with one task per input shard: `shards_done` (output shards committed),
@@ -67,10 +68,10 @@ def stage_progress(store: Store, cfg: RunConfig, stage: str, fp: str,
     s = spec(stage)
     if s.run_shard is None or (stage == "extract" and cfg.extract.mode == "online"):
         return None
-    inputs = data_shards(manifests[s.upstream[0]], s.split)
+    inputs = manifests[s.upstream[0]].data_shards(s.split)
     names = _names(store, store.stage_path(stage, fp))
     suffix = OUTPUT_SUFFIX.get(stage)
-    done = sum(_output_name(x["name"], suffix) in names for x in inputs)
+    done = sum(_output_name(x.name, suffix) in names for x in inputs)
     rows, parts = _partial(store, store.stage_path(stage, fp, PARTIAL))
     return {"shards_done": done, "shards": len(inputs), "partial_rows": rows, "partial_parts": parts}
 

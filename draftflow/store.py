@@ -26,6 +26,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from draftflow import __version__
+from draftflow.contracts import Manifest, ShardEntry, check_manifest
 from draftflow.errors import StoreError
 
 log = logging.getLogger(__name__)
@@ -177,20 +178,18 @@ class Store:
         return str(local)
 
     # -- manifests -----------------------------------------------------------
-    def write_manifest(self, stage: str, fingerprint: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    def write_manifest(self, stage: str, fingerprint: str, manifest: Manifest) -> Manifest:
         """Verify every listed shard, then write the manifest (always last)."""
-        for shard in manifest["shards"] + manifest.get("rejected", []):
+        for shard in manifest.shards + manifest.rejected:
             self._check_shard(stage, fingerprint, shard)
-        self.write_json(self.stage_path(stage, fingerprint, MANIFEST), manifest)
+        self.write_json(self.stage_path(stage, fingerprint, MANIFEST), manifest.to_json())
         return manifest
 
-    def read_manifest(self, stage: str, fingerprint: str) -> dict[str, Any] | None:
+    def read_manifest(self, stage: str, fingerprint: str) -> Manifest | None:
         """The stage's manifest if the stage is complete, else None."""
         path = self.stage_path(stage, fingerprint, MANIFEST)
         if not self.exists(path):
             return None
-        from draftflow.contracts import check_manifest
-
         try:
             manifest = check_manifest(self.read_json(path), self.url(path))
         except ValueError:  # not JSON (a torn or foreign file): recomputed, never returned
@@ -199,45 +198,40 @@ class Store:
         if manifest is None:
             return None
         try:
-            for shard in manifest["shards"] + manifest.get("rejected", []):
+            for shard in manifest.shards + manifest.rejected:
                 self._check_shard(stage, fingerprint, shard)
         except StoreError as exc:
             log.warning("%s: %s; the stage will be recomputed", stage, exc)
             return None
         return manifest
 
-    def _check_shard(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> None:
-        path = self.stage_path(stage, fingerprint, shard["name"])
+    def _check_shard(self, stage: str, fingerprint: str, shard: ShardEntry) -> None:
+        path = self.stage_path(stage, fingerprint, shard.name)
         if not self.exists(path):
             raise StoreError(f"shard {self.url(path)} is missing")
         size = self.fs.size(path)
-        if size != shard["bytes"]:
-            raise StoreError(f"shard {self.url(path)} has {size} bytes, manifest says {shard['bytes']}")
-        if size <= SHA_ON_REUSE_MAX_BYTES and self.is_local and sha256_file(path) != shard["sha256"]:
+        if size != shard.bytes:
+            raise StoreError(f"shard {self.url(path)} has {size} bytes, manifest says {shard.bytes}")
+        if size <= SHA_ON_REUSE_MAX_BYTES and self.is_local and sha256_file(path) != shard.sha256:
             raise StoreError(f"shard {self.url(path)} fails its checksum")
 
-    def sha_matches(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> bool:
+    def sha_matches(self, stage: str, fingerprint: str, shard: ShardEntry) -> bool:
         """Whether the committed shard's bytes still have its manifest entry's sha256 (streamed, no copy)."""
-        return sha256_file(self.stage_path(stage, fingerprint, shard["name"]), self.fs) == shard["sha256"]
+        return sha256_file(self.stage_path(stage, fingerprint, shard.name), self.fs) == shard.sha256
 
-    def verify_sha(self, stage: str, fingerprint: str, shard: dict[str, Any]) -> str:
+    def verify_sha(self, stage: str, fingerprint: str, shard: ShardEntry) -> str:
         """Local path of a shard whose sha256 matches its manifest entry."""
-        local = self.local_path(self.stage_path(stage, fingerprint, shard["name"]), shard["sha256"])
-        if sha256_file(local) != shard["sha256"]:
-            raise StoreError(f"shard {shard['name']} of {stage} fails its checksum; delete it and re-run")
+        local = self.local_path(self.stage_path(stage, fingerprint, shard.name), shard.sha256)
+        if sha256_file(local) != shard.sha256:
+            raise StoreError(f"shard {shard.name} of {stage} fails its checksum; delete it and re-run")
         return local
 
 
-def shard_entry(name: str, local_file: str, rows: int, tokens: int = 0, **extra: Any) -> dict[str, Any]:
-    """The manifest entry of a shard about to be committed from `local_file`."""
-    return {
-        "name": name,
-        "rows": rows,
-        "tokens": tokens,
-        "bytes": os.path.getsize(local_file),
-        "sha256": sha256_file(local_file),
-        **extra,
-    }
+def shard_entry(name: str, local_file: str, rows: int, tokens: int = 0, **extra: Any) -> ShardEntry:
+    """The manifest entry of a shard about to be committed from `local_file` (`extra`: the stage's own
+    fields, e.g. `split`)."""
+    return ShardEntry(name=name, rows=rows, tokens=tokens, bytes=os.path.getsize(local_file),
+                      sha256=sha256_file(local_file), **extra)
 
 
 # ----------------------------------------------------------------------------- storage errors

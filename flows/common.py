@@ -18,9 +18,9 @@ from prefect.futures import as_completed
 
 from draftflow import progress
 from draftflow.config import RunConfig
-from draftflow.contracts import StageResult
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.report import location_uri
-from draftflow.stages.common import fingerprint, manifest_digest, tidy_complete
+from draftflow.stages.common import fingerprint, stage_result, tidy_complete
 from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
 from flows.deploy import gpu_slot
@@ -50,17 +50,7 @@ def with_storage(task_fn, store: Store):
     return task_fn.with_options(result_storage=block)
 
 
-def stage_result(store: Store, stage: str, fp: str, manifest: dict, status: str) -> dict[str, Any]:
-    """What a stage flow returns (checked against `contracts.StageResult`)."""
-    result = {
-        "stage": stage, "fingerprint": fp, "status": status, "digest": manifest_digest(manifest),
-        "path": store.url(store.stage_path(stage, fp)), "manifest": manifest,
-    }
-    StageResult.model_validate(result)
-    return result
-
-
-def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, str, dict | None]:
+def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, str, Manifest | None]:
     """(store, fingerprint, complete manifest or None) for this stage."""
     store = Store(cfg.root)
     fp = fingerprint(stage, cfg, inputs)
@@ -70,8 +60,8 @@ def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, st
     return store, fp, manifest
 
 
-def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
-               verify: Callable[[list[dict]], set[str]] | None = None, **kwargs: Any) -> list[dict]:
+def map_shards(task_fn, store: Store, stage: str, shards: list,
+               verify: Callable[[list[ShardEntry]], set[str]] | None = None, **kwargs: Any) -> list[ShardResult]:
     """Run one task per shard; a result taken from the cache whose shard file is gone, or fails
     `verify` (shard entries -> names of bad ones, e.g. a sha256 check), is recomputed.
 
@@ -81,8 +71,8 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
     with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
         futures = task_fn.map(shard=shards, **fixed)
-        by_rows = all("rows" in s for s in shards)  # curate's source parts have no row count
-        track(kwargs["cfg"].name, stage, sum(s["rows"] for s in shards) if by_rows else len(shards),
+        by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
+        track(kwargs["cfg"].name, stage, sum(s.rows for s in shards) if by_rows else len(shards),
               "rows" if by_rows else "parts")
         for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
             _shard_done(stage, shards[futures.index(f)], f, by_rows)
@@ -96,39 +86,40 @@ def map_shards(task_fn, store: Store, stage: str, shards: list[dict],
     return results
 
 
-def _damaged(store: Store, stage: str, fp: str, futures, results: list[dict],
-             verify: Callable[[list[dict]], set[str]] | None) -> list[int]:
+def _damaged(store: Store, stage: str, fp: str, futures, results: list[ShardResult],
+             verify: Callable[[list[ShardEntry]], set[str]] | None) -> list[int]:
     """Positions of results taken from the cache whose shard is missing or damaged: it fails `verify`
     (extract: sizes, then sha256), or by default its sha256 (every other stage: parquet shards are small).
     A damaged shard is recomputed, so a re-run never gets stuck on the cache handing it back."""
     stage_dir = store.stage_path(stage, fp)
-    cached = [r["shard"] for f, r in zip(futures, results) if f.state.name == "Cached" and r["shard"]]
-    bad = {e["name"] for e in cached if not store.exists(f"{stage_dir}/{e['name']}")}
-    verify = verify or (lambda entries: {e["name"] for e in entries if not store.sha_matches(stage, fp, e)})
-    bad |= set(verify([e for e in cached if e["name"] not in bad]))
-    redo = [i for i, r in enumerate(results) if r["shard"] and r["shard"]["name"] in bad]
+    cached = [r.shard for f, r in zip(futures, results) if f.state.name == "Cached" and r.shard]
+    bad = {e.name for e in cached if not store.exists(f"{stage_dir}/{e.name}")}
+    verify = verify or (lambda entries: {e.name for e in entries if not store.sha_matches(stage, fp, e)})
+    bad |= set(verify([e for e in cached if e.name not in bad]))
+    redo = [i for i, r in enumerate(results) if r.shard and r.shard.name in bad]
     for i in redo:
-        get_run_logger().warning("cached shard %s is missing or damaged; recomputing", results[i]["shard"]["name"])
+        get_run_logger().warning("cached shard %s is missing or damaged; recomputing", results[i].shard.name)
     return redo
 
 
-def _shard_done(stage: str, shard: dict, future, by_rows: bool) -> None:
+def _shard_done(stage: str, shard, future, by_rows: bool) -> None:
     """Count a finished shard (a cached one as found, not worked); a failed one counts nothing."""
     future.wait()  # sets the future's final state (the API's copy of it may lag)
     if future.state.is_completed():
-        out = future.result()["shard"]
-        n = shard["rows"] if by_rows else 1
-        progress.report(stage, n, n, part=out["name"] if out else shard["name"], skipped=future.state.name == "Cached")
+        out = future.result().shard
+        n = shard.rows if by_rows else 1
+        name = shard.name if by_rows else shard["name"]
+        progress.report(stage, n, n, part=out.name if out else name, skipped=future.state.name == "Cached")
 
 
-def publish_counts(cfg: RunConfig, stage: str, result: dict[str, Any]) -> None:
-    m = result["manifest"]
-    rows = [{"stage": stage, "status": result["status"], "rows_in": m["rows_in"], "rows_out": m["rows_out"],
-             "tokens": m["tokens"], "shards": len(m["shards"]), **{f"dropped:{k}": v for k, v in m["dropped"].items()}}]
+def publish_counts(cfg: RunConfig, stage: str, result: StageResult) -> None:
+    m = result.manifest
+    rows = [{"stage": stage, "status": result.status, "rows_in": m.rows_in, "rows_out": m.rows_out,
+             "tokens": m.tokens, "shards": len(m.shards), **{f"dropped:{k}": v for k, v in m.dropped.items()}}]
     create_table_artifact(table=rows, key=artifact_key(cfg.name, stage, "counts"),
-                          description=f"{stage}: rows in/out and drops by reason ({result['path']})")
-    get_run_logger().info("%s %s: %d rows in, %d out, dropped %s -> %s", stage, result["status"],
-                          m["rows_in"], m["rows_out"], m["dropped"] or "nothing", result["path"])
+                          description=f"{stage}: rows in/out and drops by reason ({result.path})")
+    get_run_logger().info("%s %s: %d rows in, %d out, dropped %s -> %s", stage, result.status,
+                          m.rows_in, m.rows_out, m.dropped or "nothing", result.path)
 
 
 def publish_links(cfg: RunConfig, links: dict[str, str]) -> None:
@@ -144,12 +135,13 @@ def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, An
         create_table_artifact(table=rows, key=artifact_key(cfg.name, stage, what), description=description)
 
 
-def run_stage(cfg: RunConfig, stage: str, inputs: dict[str, str], work: Callable[[Store, str], dict]) -> dict:
+def run_stage(cfg: RunConfig, stage: str, inputs: dict[str, str],
+              work: Callable[[Store, str], Manifest]) -> StageResult:
     """Reuse a complete stage, or run `work(store, fp)` (which returns the manifest)."""
     store, fp, manifest = reuse(cfg, stage, inputs)
     status = "reused"
     if manifest is None:
         manifest, status = work(store, fp), "ran"
-    result = stage_result(store, stage, fp, manifest, status)
+    result = stage_result(store, manifest, status)
     publish_counts(cfg, stage, result)
     return result

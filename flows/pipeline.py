@@ -11,11 +11,14 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
+from draftflow.contracts import StageResult
 from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows
 from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
+from draftflow.stages.train import serve_lines
+from draftflow.store import Store
 from flows.common import publish_links
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key
@@ -39,30 +42,32 @@ def pipeline(cfg: RunConfig) -> dict:
         record_run(cfg)
         report_progress(cfg.name)
         target = prepare_target(cfg)
-        results: dict[str, dict] = {}
+        results: dict[str, StageResult] = {}
         for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
             results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
             if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
-                require_rows(results[stage.name]["manifest"])
+                require_rows(results[stage.name].manifest)
     stages = [results[s.name] for s in registry()]
-    summary = summarize(cfg, stages)
+    summary = summarize(cfg, stages, target["path"])
     publish_summary(cfg, summary)
     return summary
 
 
-def summarize(cfg: RunConfig, stages: list[dict]) -> dict:
-    by_name = {s["stage"]: s for s in stages}
-    report, trained = by_name["evaluate"]["manifest"]["extra"], by_name["train"]["manifest"]["extra"]
+def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> dict:
+    """The run's figures and where its outputs are (manifests name files relative to their stage folder)."""
+    by_name = {s.stage: s for s in stages}
+    evaluated, trained = by_name["evaluate"], by_name["train"]
+    report, extra = evaluated.manifest.extra, trained.manifest.extra
     return {
         "name": cfg.name,
-        "stages": [{k: s[k] for k in ("stage", "status", "fingerprint", "path")} |
-                   {"rows_in": s["manifest"]["rows_in"], "rows_out": s["manifest"]["rows_out"],
-                    "dropped": s["manifest"]["dropped"]} for s in stages],
+        "stages": [{"stage": s.stage, "status": s.status, "fingerprint": s.fingerprint, "path": s.path,
+                    "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "dropped": s.manifest.dropped}
+                   for s in stages],
         "tau": report["tau"],
-        "checkpoint": trained["checkpoint"],
-        "exports": trained.get("export", {}),  # format -> folder
-        "serve": trained.get("serve", {}),  # format -> `vllm serve` line (built by the train stage)
-        "report": report["report"],
+        "checkpoint": f"{trained.path}/{extra['checkpoint']}",
+        "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in extra.get("export", {}).items()},
+        "serve": serve_lines(Store(cfg.root), trained.manifest, target_path),  # format -> `vllm serve` line
+        "report": f"{evaluated.path}/{report['report']}",
     }
 
 
@@ -120,7 +125,7 @@ def stage_flow(stage: str):
     return sharded_stage_flow(stage)
 
 
-def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, dict]) -> dict:
+def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, StageResult]) -> StageResult:
     """Run (or reuse) one stage's flow given its upstream results, in the registry's order. A stage
     whose whole run uses the GPU holds its slots here; shard-level GPU stages take theirs around
     their GPU-tagged shard tasks."""
@@ -133,13 +138,13 @@ def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, 
         return run(cfg, target, *upstream) if s.uses_target else run(cfg, *upstream)
 
 
-def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, dict]:
+def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, StageResult]:
     """The upstream stages of `stage`, all complete in the run root; else a one-line error naming the first missing."""
     from draftflow.errors import DraftflowError
     from draftflow.runinfo import stage_status
+    from draftflow.stages.common import stage_result
     from draftflow.store import Store
     from draftflow.target import TargetRef
-    from flows.common import stage_result
 
     status = {s["stage"]: s for s in stage_status(cfg, TargetRef(**target))}
     ups = needed(stage)[:-1]
@@ -149,12 +154,12 @@ def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, dict]
             f"stage {stage} needs {missing[0]} complete under {cfg.root} for this config; run the "
             f"{missing[0]} deployment first, or this one with upstream=run")
     store = Store(cfg.root)
-    return {u: stage_result(store, u, status[u]["fingerprint"], status[u]["manifest"], "reused") for u in ups}
+    return {u: stage_result(store, status[u]["manifest"], "reused") for u in ups}
 
 
 @flow(name="draftflow-stage", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = None,
-                    upstream: str = "reuse") -> dict:
+                    upstream: str = "reuse") -> StageResult:
     """Deployment entry point for one stage.
 
     upstream="reuse": the stages it needs must be complete in the run root (found by fingerprint, never
@@ -179,5 +184,5 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
         for s in needed(stage) if upstream == "run" else [stage]:
             results[s] = run_stage_flow(s, cfg, target, results)
             if s != stage:
-                require_rows(results[s]["manifest"])
+                require_rows(results[s].manifest)
     return results[stage]

@@ -11,9 +11,10 @@ import os
 from prefect import flow
 
 from draftflow.config import RunConfig
+from draftflow.contracts import StageResult, feature_source
 from draftflow.data.stats import table_rows
 from draftflow.plan import check_space
-from draftflow.stages.common import Source, data_shards, finalize
+from draftflow.stages.common import Source, finalize
 from draftflow.stages.curate import check_sources, plan_parts, token_counter
 from draftflow.stages.extract import bad_shards, drop_manifest_if_damaged, online_manifest
 from draftflow.stages.registry import spec, stage_inputs
@@ -29,13 +30,13 @@ def target_ref(target: dict) -> TargetRef:
     return TargetRef(**target)
 
 
-def _inputs(cfg: RunConfig, stage: str, target: dict, **upstream: dict) -> dict[str, str]:
+def _inputs(cfg: RunConfig, stage: str, target: dict, **upstream: StageResult) -> dict[str, str]:
     """The stage's fingerprint inputs, computed as `plan` computes them (`registry.stage_inputs`)."""
-    return stage_inputs(cfg, stage, target["fingerprint"], {k: v["digest"] for k, v in upstream.items()})
+    return stage_inputs(cfg, stage, target["fingerprint"], {k: v.digest for k, v in upstream.items()})
 
 
 @flow(name="curate", task_runner=StageTaskRunner("curate", max_workers=os.cpu_count() or 2))
-def curate_flow(cfg: RunConfig) -> dict:
+def curate_flow(cfg: RunConfig) -> StageResult:
     """Scan every source part in parallel, then one merge (dedup, mixture, split, shards)."""
     check_sources(cfg.curate)  # fails here, before any work, on an unreachable source
     inputs, tokenizer = stage_inputs(cfg, "curate", None, {}), token_counter(cfg)
@@ -45,7 +46,7 @@ def curate_flow(cfg: RunConfig) -> dict:
                            tokenizer=tokenizer)
         return CT.curate_merge(cfg=cfg, fp=fp, inputs=inputs, scans=scans)
     result = run_stage(cfg, "curate", inputs, work)
-    publish_table(cfg, "curate", "sources", table_rows(result["manifest"]["extra"].get("sources", {})),
+    publish_table(cfg, "curate", "sources", table_rows(result.manifest.extra.get("sources", {})),
                   "curate: rows read, kept and dropped by reason per source")
     return result
 
@@ -64,14 +65,14 @@ def sharded_stage_flow(stage: str):
     s, task_fn = spec(stage), shard_task(stage)
 
     @flow(name=stage, task_runner=StageTaskRunner(stage))
-    def stage_flow(cfg: RunConfig, target: dict, upstream: dict) -> dict:
-        inputs = _inputs(cfg, stage, target, **{upstream["stage"]: upstream})
+    def stage_flow(cfg: RunConfig, target: dict, upstream: StageResult) -> StageResult:
+        inputs = _inputs(cfg, stage, target, **{upstream.stage: upstream})
 
         def work(store, fp):
             if s.check:  # e.g. an unreachable endpoint fails here, before any shard
                 s.check(cfg, target_ref(target))
-            results = map_shards(task_fn, store, stage, data_shards(upstream["manifest"], s.split), cfg=cfg, fp=fp,
-                                 target=target, stage_name=stage, source=list(Source.of(upstream["manifest"])))
+            results = map_shards(task_fn, store, stage, upstream.manifest.data_shards(s.split), cfg=cfg, fp=fp,
+                                 target=target, stage_name=stage, source=list(Source.of(upstream.manifest)))
             results, extra = s.finish(store, fp, cfg, target_ref(target), results) if s.finish else (results, {})
             return finalize(store, stage, fp, cfg, inputs, results, extra=extra)
         return run_stage(cfg, stage, inputs, work)
@@ -83,7 +84,7 @@ tokenize_flow = sharded_stage_flow("tokenize")
 
 
 @flow(name="extract", task_runner=StageTaskRunner("extract"))
-def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
+def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageResult:
     """Feature shards are checked by size before the stage is reused (hashing terabytes every run
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
     cache; a bad one drops the manifest and only that shard is recomputed."""
@@ -94,31 +95,30 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: dict) -> dict:
     def work(store, fp):
         if cfg.extract.mode == "online":  # nothing stored: train computes the features per batch
             return online_manifest(store, fp, cfg, inputs, tokenized)
-        check_space(cfg, tokenized["manifest"], target_ref(target), fp=fp)  # before any shard
-        shards = data_shards(tokenized["manifest"], "train")
+        check_space(cfg, tokenized.manifest, target_ref(target), fp=fp)  # before any shard
+        shards = tokenized.manifest.data_shards("train")
         results = map_shards(EXTRACT_SHARD, store, "extract", shards,
                              verify=lambda entries: set(bad_shards(store, fp, entries)),
                              cfg=cfg, fp=fp, target=target, stage_name="extract",
-                             source=list(Source.of(tokenized["manifest"])))
+                             source=list(Source.of(tokenized.manifest)))
         return finalize(store, "extract", fp, cfg, inputs, results)
     return run_stage(cfg, "extract", inputs, work)
 
 
 @flow(name="train")
-def train_flow(cfg: RunConfig, target: dict, features: dict) -> dict:
+def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
     inputs = _inputs(cfg, "train", target, extract=features)
 
     def work(store, fp):
-        return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs,
-                                                     features=features)
+        return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
     result = run_stage(cfg, "train", inputs, work)
-    publish_table(cfg, "train", "metrics", metrics_table(result["manifest"]["extra"].get("metrics") or {}),
+    publish_table(cfg, "train", "metrics", metrics_table(result.manifest.extra.get("metrics") or {}),
                   "Final training metrics: loss, tau estimate, accuracy per block position")
     return result
 
 
 @flow(name="evaluate")
-def evaluate_flow(cfg: RunConfig, target: dict, curated: dict, trained: dict) -> dict:
+def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: StageResult) -> StageResult:
     inputs = _inputs(cfg, "evaluate", target, curate=curated, train=trained)
 
     def work(store, fp):

@@ -8,21 +8,20 @@ manifest is its cache.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import task
 
 from draftflow.config import RunConfig
+from draftflow.contracts import Manifest, ShardResult
 from draftflow.stages import curate
 from draftflow.store import Store
 from tasks.stage_tasks import SHARD, STAGE
 
 
 @task(name="curate-scan", **SHARD)
-def curate_scan(cfg: RunConfig, fp: str, shard: dict, tokenizer: str | None = None) -> dict[str, Any]:
+def curate_scan(cfg: RunConfig, fp: str, shard: dict, tokenizer: str | None = None) -> ShardResult:
     return curate.scan_part_isolated(Store(cfg.root), fp, cfg, shard, tokenizer)
 
 
 @task(name="curate-merge", **STAGE)
-def curate_merge(cfg: RunConfig, fp: str, inputs: dict[str, str], scans: list[dict]) -> dict[str, Any]:
+def curate_merge(cfg: RunConfig, fp: str, inputs: dict[str, str], scans: list[ShardResult]) -> Manifest:
     return curate.merge(Store(cfg.root), fp, cfg, inputs, scans)

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from draftflow.config import RunConfig
+from draftflow.contracts import FeatureSource, Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.errors import DraftflowError
 from draftflow.stages import curate, evaluate, train
 from draftflow.stages.common import Source, shard_key
@@ -25,7 +26,7 @@ from draftflow.target import TargetRef, resolve_target
 
 
 def _shard_cache_key(context, parameters: dict[str, Any]) -> str:
-    return shard_key(parameters["fp"], parameters["shard"]["sha256"], parameters["shard"]["name"])
+    return shard_key(parameters["fp"], parameters["shard"].sha256, parameters["shard"].name)
 
 
 def _transient(task, task_run, state) -> bool:
@@ -53,23 +54,23 @@ def prepare_target(cfg: RunConfig) -> dict[str, str]:
 
 
 @task(name="curate", **STAGE)
-def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> dict[str, Any]:
+def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> Manifest:
     return curate.run(Store(cfg.root), fp, cfg, inputs)
 
 
 @task(name="stage-shard", **SHARD)
 def stage_shard(cfg: RunConfig, fp: str, target: dict, stage_name: str, source: list[str],
-                shard: dict) -> dict[str, Any]:
+                shard: ShardEntry) -> ShardResult:
     """One shard of a registry stage with a `run_shard` (flows name it `<stage>-shard` and tag GPU stages)."""
     return spec(stage_name).run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), Source(*source), shard)
 
 
 @task(name="train-drafter", tags=["gpu"], **STAGE)
-def train_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, features: dict) -> dict[str, Any]:
+def train_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, features: FeatureSource) -> Manifest:
     return train.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, features)
 
 
 @task(name="evaluate-drafter", tags=["gpu"], **STAGE)
-def evaluate_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, curated: dict,
-                     trained: dict) -> dict[str, Any]:
+def evaluate_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, curated: StageResult,
+                     trained: StageResult) -> Manifest:
     return evaluate.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, curated, trained)

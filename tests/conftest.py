@@ -155,9 +155,9 @@ def run_front(cfg, tiny_target):
     store = Store(cfg.root)
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
     rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
-    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, Source("regenerate", rfp), rres["shard"])
+    shard = [s for s in cm.shards if s.split == "train"][0]
+    rres = regenerate.run_shard(store, rfp, cfg, tiny_target, Source("curate", cm.fingerprint), shard)
+    tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, Source("regenerate", rfp), rres.shard)
     return store, shard, rfp, rres, tres
 
 

@@ -194,14 +194,34 @@ def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkey
                                 f"  serve: {serve['speculators']}"]
 
 
-def test_pipeline_summary_carries_the_train_stage_exports_and_serve_lines(tiny_cfg):
+def test_pipeline_summary_resolves_the_manifests_relative_paths_and_makes_the_serve_lines(tiny_cfg):
+    """Manifests name outputs relative to their stage folder (a moved root still reads); the summary
+    gives where they are in this root, and serve lines made from the export's config for this machine."""
+    import json
+
+    from draftflow.contracts import Manifest, StageResult
+    from draftflow.store import Store
     from flows.pipeline import summarize
 
-    def stage(name, extra):
-        return {"stage": name, "status": "ran", "fingerprint": "fp", "path": f"/r/{name}",
-                "manifest": {"rows_in": 1, "rows_out": 1, "dropped": {}, "extra": extra}}
+    store = Store(tiny_cfg.root)
 
-    train = {"checkpoint": "/r/train/checkpoint", "export": {"vllm": "/r/train/export/vllm"},
-             "serve": {"vllm": "vllm serve t --speculative-config '{}'"}}
-    summary = summarize(tiny_cfg, [stage("train", train), stage("evaluate", {"tau": 1.5, "report": "/r/report.md"})])
-    assert summary["exports"] == train["export"] and summary["serve"] == train["serve"]
+    def stage(name, extra):
+        path = store.stage_path(name, "fp")
+        manifest = Manifest(stage=name, fingerprint="fp", code_version="c", config={}, inputs={}, shards=(),
+                            rows_in=1, rows_out=1, dropped={}, tokens=0, extra=extra)
+        return StageResult(stage=name, fingerprint="fp", status="ran", digest="d", path=store.url(path),
+                           manifest=manifest)
+
+    store.write_json(store.stage_path("train", "fp", "export", "vllm", "config.json"),
+                     {"architectures": ["DFlashDraftModel"], "block_size": 8})
+    train = {"checkpoint": "checkpoint", "export": {"vllm": "export/vllm"}}
+    summary = summarize(tiny_cfg, [stage("train", train), stage("evaluate", {"tau": 1.5, "report": "report.md"})],
+                        "/models/target")
+    where = store.url(store.stage_path("train", "fp"))
+    assert summary["checkpoint"] == f"{where}/checkpoint"
+    assert summary["exports"] == {"vllm": f"{where}/export/vllm"}
+    assert summary["report"] == store.url(store.stage_path("evaluate", "fp", "report.md"))
+    line = summary["serve"]["vllm"]
+    assert line.startswith("vllm serve /models/target ")
+    spec = json.loads(line.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec == {"method": "dflash", "model": f"{where}/export/vllm", "num_speculative_tokens": 7}

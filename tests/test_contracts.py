@@ -40,24 +40,29 @@ def _written(tmp_path, monkeypatch):
 
 def test_finalize_writes_a_versioned_manifest_that_reads_back(tmp_path, monkeypatch):
     store, manifest = _written(tmp_path, monkeypatch)
-    assert manifest["version"] == MANIFEST_VERSION
+    assert manifest.version == MANIFEST_VERSION
     assert store.read_manifest("curate", "fp1") == manifest
-    StageResult.model_validate({"stage": "curate", "fingerprint": "fp1", "status": "reused", "digest": "d",
-                                "path": "p", "manifest": manifest})
+    on_disk = store.read_json(store.stage_path("curate", "fp1", "manifest.json"))
+    assert on_disk == manifest.to_json() and on_disk["shards"][0]["split"] == "train"
+    assert "kind" not in on_disk["shards"][0]  # unset optional fields stay out of the JSON
+    StageResult(stage="curate", fingerprint="fp1", status="reused", digest="d", path="p", manifest=manifest)
+    with pytest.raises(ValidationError, match="frozen"):
+        manifest.rows_out = 5  # a contract is a value: nothing downstream can change what a stage wrote
 
 
 def test_a_manifest_from_before_versions_is_read(tmp_path, monkeypatch):
     store, manifest = _written(tmp_path, monkeypatch)
     path = store.stage_path("curate", "fp1", "manifest.json")
-    old = {k: v for k, v in manifest.items() if k != "version"}
+    old = {k: v for k, v in manifest.to_json().items() if k != "version"}
     store.write_json(path, old)
-    assert store.read_manifest("curate", "fp1") == old
+    read = store.read_manifest("curate", "fp1")
+    assert read.version == 1 and read.shards == manifest.shards and read.rows_out == manifest.rows_out
 
 
 def test_a_manifest_from_a_newer_draftflow_is_refused_in_one_line(tmp_path, monkeypatch):
     store, manifest = _written(tmp_path, monkeypatch)
     path = store.stage_path("curate", "fp1", "manifest.json")
-    store.write_json(path, manifest | {"version": MANIFEST_VERSION + 1})
+    store.write_json(path, manifest.to_json() | {"version": MANIFEST_VERSION + 1})
     with pytest.raises(ManifestError, match="written by a newer draftflow") as err:
         store.read_manifest("curate", "fp1")
     assert "\n" not in str(err.value)
@@ -67,8 +72,23 @@ def test_a_manifest_from_a_newer_draftflow_is_refused_in_one_line(tmp_path, monk
 def test_a_damaged_manifest_means_the_stage_is_recomputed(tmp_path, monkeypatch, damage):
     store, manifest = _written(tmp_path, monkeypatch)
     path = store.stage_path("curate", "fp1", "manifest.json")
-    text = json.dumps(manifest)
+    text = json.dumps(manifest.to_json())
     with open(path, "w") as fh:
         fh.write({"torn": text[: len(text) // 2], "foreign": json.dumps({"hello": 1}),
-                  "lost rows": json.dumps(manifest | {"rows_out": 1})}[damage])
+                  "lost rows": json.dumps(manifest.to_json() | {"rows_out": 1})}[damage])
     assert store.read_manifest("curate", "fp1") is None
+
+
+def test_feature_sources_round_trip_through_json_as_a_rank_receives_them():
+    from draftflow.contracts import OnlineFeatures, StoredFeatures, read_feature_source
+
+    entry = {"name": "a.safetensors", "rows": 2, "bytes": 10, "sha256": SHA, "split": "train",
+             "layer_ids": [1, 3], "tokenize_fingerprint": "tok"}
+    stored = StoredFeatures(fingerprint="ex", shards=(entry,))
+    online = OnlineFeatures(tokenize_fingerprint="tok", shards=({k: entry[k] for k in ("name", "rows", "bytes",
+                                                                                        "sha256")},))
+    for source in (stored, online):
+        assert read_feature_source(json.loads(json.dumps(source.model_dump(mode="json")))) == source
+    assert stored.shards[0].layer_ids == (1, 3)
+    with pytest.raises(ValidationError):
+        read_feature_source({"mode": "somewhere", "shards": []})

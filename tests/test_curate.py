@@ -42,19 +42,19 @@ def _run(ccfg, root):
 
 
 def _rows(root, manifest, kind="shards"):
-    return [r for s in manifest[kind] for r in read_rows(f"{root}/curate/fp/{s['name']}")]
+    return [r for s in getattr(manifest, kind) for r in read_rows(f"{root}/curate/fp/{s.name}")]
 
 
 def test_adapters_rejects_and_dedup_account_for_every_row(tmp_path):
     ccfg = _write_sources(tmp_path)
     m = _run(ccfg, tmp_path / "a")
-    assert m["rows_in"] == 8 + 10 + 2
+    assert m.rows_in == 8 + 10 + 2
     # Row 1 has a system prompt (part of the key); rows 2 and 3 differ only in whitespace,
     # so row 3 is the one duplicate.
-    dropped = m["dropped"]
+    dropped = m.dropped
     assert dropped == {"duplicate": 1, "no_user_turn": 1, "unknown_role": 1, "non_text_content": 1,
                        "empty_prompt": 1, "malformed_json": 1}
-    assert m["rows_out"] + sum(dropped.values()) == m["rows_in"]
+    assert m.rows_out + sum(dropped.values()) == m.rows_in
     rejects = _rows(tmp_path / "a", m, "rejected")
     assert sorted(r["reason"] for r in rejects) == sorted(k for k in dropped if k != "duplicate")
     kept = _rows(tmp_path / "a", m)
@@ -62,7 +62,7 @@ def test_adapters_rejects_and_dedup_account_for_every_row(tmp_path):
     assert "Name a color.\n\nOne word." in alpaca
     first = next(r for r in kept if r["messages"][0]["role"] == "system")
     assert first["messages"][0] == {"role": "system", "content": "Be brief.", "reasoning_content": None}
-    assert m["extra"]["sources"]["sg"]["read"] == 8 and m["extra"]["sources"]["sg"]["dropped"]["duplicate"] == 1
+    assert m.extra["sources"]["sg"]["read"] == 8 and m.extra["sources"]["sg"]["dropped"]["duplicate"] == 1
     assert not (tmp_path / "a" / "curate" / "fp" / "parts").exists()  # partials removed after the manifest
 
 
@@ -71,14 +71,14 @@ def test_run_is_deterministic_split_and_sharded(tmp_path):
     cfg = load_config(None, [f"root={tmp_path / 'a'}"]).model_copy(update={"curate": ccfg})
     m1 = curate.run(Store(str(tmp_path / "a")), "fp", cfg, {})
     m2 = curate.run(Store(str(tmp_path / "b")), "fp", cfg, {})
-    assert [s["sha256"] for s in m1["shards"]] == [s["sha256"] for s in m2["shards"]]  # byte-identical
-    splits = {s["split"] for s in m1["shards"]}
+    assert [s.sha256 for s in m1.shards] == [s.sha256 for s in m2.shards]  # byte-identical
+    splits = {s.split for s in m1.shards}
     assert splits == {"train", "eval"}
-    assert all(s["rows"] <= 4 for s in m1["shards"])
-    assert m1["rows_in"] == m1["rows_out"] + sum(m1["dropped"].values())
-    ids = [r["sample_id"] for s in m1["shards"] for r in read_rows(f"{tmp_path}/a/curate/fp/{s['name']}")]
-    assert len(ids) == len(set(ids)) == m1["rows_out"]
-    rejected = read_rows(f"{tmp_path}/a/curate/fp/{m1['rejected'][0]['name']}")
+    assert all(s.rows <= 4 for s in m1.shards)
+    assert m1.rows_in == m1.rows_out + sum(m1.dropped.values())
+    ids = [r["sample_id"] for s in m1.shards for r in read_rows(f"{tmp_path}/a/curate/fp/{s.name}")]
+    assert len(ids) == len(set(ids)) == m1.rows_out
+    rejected = read_rows(f"{tmp_path}/a/curate/fp/{m1.rejected[0].name}")
     assert {r["reason"] for r in rejected} >= {"no_user_turn", "malformed_json"}
 
 

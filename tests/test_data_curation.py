@@ -25,7 +25,7 @@ def _cfg(root, **curate_fields):
 
 
 def _rows(root, manifest, kind="shards"):
-    return [r for s in manifest[kind] for r in read_rows(f"{root}/curate/fp/{s['name']}")]
+    return [r for s in getattr(manifest, kind) for r in read_rows(f"{root}/curate/fp/{s.name}")]
 
 
 def _prompts(path: Path, texts: list[str]) -> str:
@@ -36,17 +36,17 @@ def _prompts(path: Path, texts: list[str]) -> str:
 def test_every_fixture_format_curates_with_reasons_and_accounting(tmp_path):
     sources = [SourceConfig(name=p.name.split(".")[0], path=str(p)) for p in sorted(FIX.iterdir())]
     m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=sources, eval_fraction=0.2, shard_rows=3), {})
-    assert m["rows_in"] == m["rows_out"] + sum(m["dropped"].values()) == 28
-    assert m["dropped"] == {"empty_prompt": 2, "invalid_utf8": 2, "malformed_json": 2, "non_text_content": 1,
+    assert m.rows_in == m.rows_out + sum(m.dropped.values()) == 28
+    assert m.dropped == {"empty_prompt": 2, "invalid_utf8": 2, "malformed_json": 2, "non_text_content": 1,
                             "not_an_object": 1, "unknown_format": 1, "unknown_role": 2}
     rejects = _rows(tmp_path, m, "rejected")
-    assert len(rejects) == sum(m["dropped"].values()) and all(r["row"] for r in rejects)
+    assert len(rejects) == sum(m.dropped.values()) and all(r["row"] for r in rejects)
     rows = _rows(tmp_path, m)
-    assert all(s["rows"] <= 3 for s in m["shards"]) and {r["split"] for r in rows} == {"train", "eval"}
+    assert all(s.rows <= 3 for s in m.shards) and {r["split"] for r in rows} == {"train", "eval"}
     tool_row = next(r for r in rows if r["tools"] and len(r["messages"]) == 5)
     assert tool_row["messages"][2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
-    assert (tmp_path / "curate" / "fp" / m["extra"]["histogram_png"]).read_bytes()[:4] == b"\x89PNG"
-    assert set(m["extra"]["sources"]) == {s.name for s in sources}
+    assert (tmp_path / "curate" / "fp" / m.extra["histogram_png"]).read_bytes()[:4] == b"\x89PNG"
+    assert set(m.extra["sources"]) == {s.name for s in sources}
 
 
 def test_filters_chars_tokens_blocklist_charset(tmp_path, tiny_target):
@@ -56,10 +56,10 @@ def test_filters_chars_tokens_blocklist_charset(tmp_path, tiny_target):
     cfg = _cfg(tmp_path, sources=[src], min_prompt_chars=2, max_prompt_chars=200, blocklist=["(?i)forbidden"],
                max_non_latin=0.5, max_prompt_tokens=40, eval_fraction=0.0)
     m = curate.run(Store(str(tmp_path)), "fp", cfg, {}, tokenizer=tiny_target.path)
-    assert m["dropped"] == {"too_short": 1, "too_long": 1, "blocklisted": 1, "non_latin": 1}
+    assert m.dropped == {"too_short": 1, "too_long": 1, "blocklisted": 1, "non_latin": 1}
     cfg = _cfg(tmp_path, sources=[src], max_prompt_tokens=3, eval_fraction=0.0)
     m = curate.run(Store(str(tmp_path / "t")), "fp", cfg, {}, tokenizer=tiny_target.path)
-    assert m["dropped"]["too_many_tokens"] >= 3
+    assert m.dropped["too_many_tokens"] >= 3
 
 
 def test_near_duplicates_are_removed_and_reported(tmp_path):
@@ -68,8 +68,8 @@ def test_near_duplicates_are_removed_and_reported(tmp_path):
     src = SourceConfig(name="p", path=_prompts(tmp_path / "p.jsonl", texts))
     m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=[src], near_dup_threshold=0.8,
                                                    eval_fraction=0.0), {})
-    report = m["extra"]["near_duplicates"]
-    assert m["dropped"] == {"near_duplicate": 2} and report["removed"] == 2
+    report = m.extra["near_duplicates"]
+    assert m.dropped == {"near_duplicate": 2} and report["removed"] == 2
     assert report["examples"][0]["kept"]["preview"] == base and report["examples"][0]["similarity"] >= 0.8
     kept = {r["messages"][0]["content"] for r in _rows(tmp_path, m)}
     assert {"what is 17 plus 7?", "what is 17 plus 8?", base} == kept
@@ -91,14 +91,14 @@ def test_mixture_counts_weights_and_determinism(tmp_path):
     b = _prompts(tmp_path / "b.jsonl", [f"beta question {i}" for i in range(30)])
     srcs = [SourceConfig(name="a", path=a, count=10), SourceConfig(name="b", path=b, count=50)]
     m = curate.run(Store(str(tmp_path / "1")), "fp", _cfg(tmp_path, sources=srcs, shard_rows=7), {})
-    assert m["extra"]["kept_per_source"] == {"a": 10, "b": 30} and m["dropped"] == {"mixture_cap": 30}
+    assert m.extra["kept_per_source"] == {"a": 10, "b": 30} and m.dropped == {"mixture_cap": 30}
     again = curate.run(Store(str(tmp_path / "2")), "fp", _cfg(tmp_path, sources=srcs, shard_rows=7), {})
-    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in again["shards"]]  # byte-identical
+    assert [s.sha256 for s in m.shards] == [s.sha256 for s in again.shards]  # byte-identical
     weighted = [SourceConfig(name="a", path=a, weight=3), SourceConfig(name="b", path=b, weight=1)]
     m = curate.run(Store(str(tmp_path / "3")), "fp", _cfg(tmp_path, sources=weighted, total_rows=20), {})
-    assert m["extra"]["kept_per_source"] == {"a": 15, "b": 5}
+    assert m.extra["kept_per_source"] == {"a": 15, "b": 5}
     m = curate.run(Store(str(tmp_path / "4")), "fp", _cfg(tmp_path, sources=weighted), {})
-    assert m["extra"]["kept_per_source"] == {"a": 40, "b": 13}  # the largest 3:1 mix 40 + 30 rows allow
+    assert m.extra["kept_per_source"] == {"a": 40, "b": 13}  # the largest 3:1 mix 40 + 30 rows allow
 
 
 def test_quota_rounding_and_selection_are_pure():
@@ -116,8 +116,8 @@ def test_parallel_scans_give_the_same_shards(tmp_path):
     serial = curate.run(Store(str(tmp_path / "s")), "fp", _cfg(tmp_path, sources=[src], shard_rows=16), {})
     parallel = curate.run(Store(str(tmp_path / "p")), "fp", _cfg(tmp_path, sources=[src], shard_rows=16), {},
                           workers=2)
-    assert serial["extra"]["parts"] == 3 and serial["dropped"] == {"duplicate": 3}
-    assert [s["sha256"] for s in serial["shards"]] == [s["sha256"] for s in parallel["shards"]]
+    assert serial.extra["parts"] == 3 and serial.dropped == {"duplicate": 3}
+    assert [s.sha256 for s in serial.shards] == [s.sha256 for s in parallel.shards]
 
 
 def test_hf_datasets_streaming_source(tmp_path):
@@ -128,4 +128,4 @@ def test_hf_datasets_streaming_source(tmp_path):
                              "response": ["a", "b"]}), folder / "train-00000-of-00001.parquet")
     src = SourceConfig(name="orca", hf=str(folder), hf_split="train")
     m = curate.run(Store(str(tmp_path / "r")), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
-    assert m["rows_out"] == 2 and m["extra"]["sources"]["orca"]["read"] == 2
+    assert m.rows_out == 2 and m.extra["sources"]["orca"]["read"] == 2

@@ -34,10 +34,10 @@ def test_curate_reads_s3_sources_and_writes_s3_shards(bucket):
     store = Store(cfg.root)
     manifest = curate.run(store, "fp", cfg, inputs)
     assert store.read_manifest("curate", "fp") == manifest
-    assert manifest["extra"]["parts"] == 4 and manifest["extra"]["sources"]["jsonl"]["read"] == 9
-    assert manifest["rows_in"] == manifest["rows_out"] + sum(manifest["dropped"].values())
-    rows = [r for s in manifest["shards"] for r in read_rows(store.verify_sha("curate", "fp", s))]
-    assert len(rows) == manifest["rows_out"] and store.exists(store.stage_path("curate", "fp", "prompt_lengths.png"))
+    assert manifest.extra["parts"] == 4 and manifest.extra["sources"]["jsonl"]["read"] == 9
+    assert manifest.rows_in == manifest.rows_out + sum(manifest.dropped.values())
+    rows = [r for s in manifest.shards for r in read_rows(store.verify_sha("curate", "fp", s))]
+    assert len(rows) == manifest.rows_out and store.exists(store.stage_path("curate", "fp", "prompt_lengths.png"))
 
 
 def test_unreachable_s3_source_fails_at_start_naming_it(bucket):

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import DrafterConfig
+from draftflow.contracts import Manifest
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export import (
     export_speculators,
@@ -22,6 +23,7 @@ from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines, write_outputs
+from draftflow.store import Store
 from tests.conftest import MASK_ID
 
 BLOCK, STEPS = 5, 3
@@ -107,9 +109,16 @@ def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path,
     assert ("export/vllm/modeling_dflash.py" in on_disk) == (kind == "dflash")
     spec = json.loads((out / "export" / "speculators" / "config.json").read_text())
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny-0123abcd"
-    lines = serve_lines(str(out), "/abs/cache/tiny-0123abcd", where)  # what `draftflow run` prints
+    root = Store(str(tmp_path / "runs" / "demo"))  # the stage folder the exports were written for
+    for f in on_disk:
+        root.write_bytes(root.stage_path("train", "abc", f), (out / f).read_bytes())
+    where = {fmt: root.url(root.stage_path("train", "abc", "export", fmt)) for fmt in EXPORT_FORMATS}
+    manifest = Manifest(stage="train", fingerprint="abc", code_version="c", config={}, inputs={}, shards=(),
+                        rows_in=0, rows_out=0, dropped={}, tokens=0,
+                        extra={"export": {fmt: f"export/{fmt}" for fmt in EXPORT_FORMATS}})
+    lines = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd")  # what `draftflow run` prints
     for fmt in EXPORT_FORMATS:
-        assert f'"model": "{where[fmt]}"' in (out / "export" / fmt / "README.md").read_text()
+        assert f'"model": "/runs/demo/train/abc/export/{fmt}"' in (out / "export" / fmt / "README.md").read_text()
         assert lines[fmt].startswith("vllm serve /abs/cache/tiny-0123abcd --speculative-config ")
         assert f'"model": "{where[fmt]}"' in lines[fmt]
     assert str(tmp_path) not in "".join((out / "export" / fmt / "README.md").read_text() for fmt in EXPORT_FORMATS)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from draftflow.contracts import ShardEntry
 from draftflow.errors import StoreError
 from draftflow.features import (
     FeatureSample,
@@ -138,6 +139,6 @@ def test_reads_from_s3_directly_and_through_the_store(tmp_path, s3_env):
     assert [s.sample_id for s in remote] == [s.sample_id for s in samples]
 
     store = Store("s3://features/run")
-    entry = {"name": "train-00000.safetensors", "sha256": digest}
+    entry = ShardEntry(name="train-00000.safetensors", rows=len(samples), bytes=1, sha256=digest)
     copy = FeatureShard(store.verify_sha("extract", "fp", entry))  # the store's local copy
     assert torch.equal(copy.get(1).hidden, local.get(1).hidden)

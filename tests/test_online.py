@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from draftflow.contracts import Manifest, StageResult, feature_source
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureShard
 from draftflow.plan import preflight
@@ -21,12 +22,15 @@ def front(tmp_path_factory, tiny_target):
     """curate -> regenerate -> tokenize on one train shard of the tiny run."""
     cfg = tiny_config(tmp_path_factory.mktemp("online") / "run")
     store, _, _, _, tres = run_front(cfg, tiny_target)
-    return cfg, store, tres["shard"]
+    return cfg, store, tres.shard
 
 
 def _online(cfg, store, tok_shard, tiny_target, *overrides):
     cfg = tiny_config(cfg.root, "extract.mode=online", *overrides)
-    tokenized = {"manifest": {"shards": [tok_shard]}, "fingerprint": "tokfp"}
+    manifest = Manifest(stage="tokenize", fingerprint="tokfp", code_version="c", config={}, inputs={},
+                        shards=(tok_shard,), rows_in=tok_shard.rows, rows_out=tok_shard.rows, dropped={}, tokens=0)
+    tokenized = StageResult(stage="tokenize", fingerprint="tokfp", status="ran", digest="d", path="p",
+                            manifest=manifest)
     inputs = {"target": tiny_target.fingerprint, "tokenize": "d"}
     xfp = fingerprint("extract", cfg, inputs)
     return cfg, extract.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
@@ -35,9 +39,9 @@ def _online(cfg, store, tok_shard, tiny_target, *overrides):
 def test_online_extract_stores_nothing_and_points_at_the_tokenize_rows(front, tiny_target):
     cfg, store, tok = front
     ocfg, m, xfp = _online(cfg, store, tok, tiny_target)
-    assert m["shards"] == [] and m["extra"]["mode"] == "online"
-    assert m["rows_out"] == tok["rows"] and m["extra"]["tokens"] == tok["tokens"]
-    assert m["extra"]["tokenize"]["shards"] == [tok]
+    assert m.shards == () and m.extra["mode"] == "online"
+    assert m.rows_out == tok.rows and m.extra["tokens"] == tok.tokens
+    assert m.extra["tokenize"]["shards"] == [tok.to_json()]
     assert store.read_manifest("extract", xfp) == m  # complete: a rerun reuses it
 
 
@@ -46,7 +50,7 @@ def test_online_tensors_equal_the_stored_ones_for_the_same_batch(front, tiny_tar
     cfg, store, tok = front
     xcfg = tiny_config(cfg.root, f"extract.dtype={dtype}")
     res = extract.run_shard(store, f"ex-{dtype}", xcfg, tiny_target, Source("tokenize", "tokfp"), tok)
-    stored = FeatureShard(store.stage_path("extract", f"ex-{dtype}", res["shard"]["name"]))
+    stored = FeatureShard(store.stage_path("extract", f"ex-{dtype}", res.shard.name))
     ocfg = tiny_config(cfg.root, "extract.mode=online", f"extract.dtype={dtype}")
     path = store.verify_sha("tokenize", "tokfp", tok)
     online = OnlineSamples.from_parquet([path], tiny_target, ocfg, stored.layer_ids)
@@ -67,9 +71,10 @@ def test_a_short_online_training_run_writes_a_checkpoint(front, tiny_target):
     ocfg, m, xfp = _online(cfg, store, tok, tiny_target, "train.max_steps=3", "train.checkpoint_every=2")
     inputs = {"target": tiny_target.fingerprint, "extract": manifest_digest(m)}
     tfp = fingerprint("train", ocfg, inputs)
-    out = train_stage.run(store, tfp, ocfg, tiny_target, inputs, {"manifest": m, "fingerprint": xfp})
-    assert out["extra"]["features"] == "online" and out["extra"]["metrics"]["steps"] == 3
-    assert out["extra"]["trained_tokens"] == tok["tokens"] and out["rows_out"] == tok["rows"]
+    extracted = StageResult(stage="extract", fingerprint=xfp, status="ran", digest="d", path="p", manifest=m)
+    out = train_stage.run(store, tfp, ocfg, tiny_target, inputs, feature_source(extracted))
+    assert out.extra["features"] == "online" and out.extra["metrics"]["steps"] == 3
+    assert out.extra["trained_tokens"] == tok.tokens and out.rows_out == tok.rows
     ckpt = store.stage_path("train", tfp, "checkpoint", "model.safetensors")
     assert store.exists(ckpt) and store.read_manifest("train", tfp) == out
 

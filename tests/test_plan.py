@@ -7,21 +7,28 @@ from collections import namedtuple
 
 import pytest
 
+from draftflow.contracts import Manifest, ShardEntry, StageResult
 from draftflow.errors import DraftflowError
 from draftflow.estimate import feature_bytes_per_token, stage_sizes
 from draftflow.plan import check_space, environment, free_space, plan, preflight
 from tests.conftest import tiny_config
 
 # The tiny target: hidden 64, 8 layers; tests.conftest's tiny config taps 3 of them.
+SHA = "0" * 64
 TAPS, HIDDEN = 3, 64
 
 
 def _tokenized(*tokens: int) -> dict:
     """A tokenize manifest with one train shard per token count (and an eval-free split)."""
-    shards = [{"name": f"s{i}.parquet", "split": "train", "tokens": t, "rows": 4, "bytes": 1}
+    shards = [ShardEntry(name=f"s{i}.parquet", split="train", tokens=t, rows=4, bytes=1, sha256=SHA)
               for i, t in enumerate(tokens)]
-    return {"shards": shards + [{"name": "token_freq.parquet", "kind": "freq", "tokens": 0, "rows": 9, "bytes": 1}],
-            "rows_out": 4 * len(tokens), "tokens": sum(tokens), "extra": {}}
+    shards.append(ShardEntry(name="token_freq.parquet", kind="freq", tokens=0, rows=9, bytes=1, sha256=SHA))
+    return _manifest("tokenize", shards, 4 * len(tokens), sum(tokens))
+
+
+def _manifest(stage, shards, rows, tokens):
+    return Manifest(stage=stage, fingerprint="fp", code_version="c", config={}, inputs={}, shards=tuple(shards),
+                    rows_in=rows, rows_out=rows, dropped={}, tokens=tokens)
 
 
 def test_plan_before_any_run_estimates_every_stage(tmp_path, tiny_target):
@@ -48,7 +55,7 @@ def test_online_mode_plans_no_feature_bytes_and_no_extract_time(tmp_path, tiny_t
 def test_measured_upstream_sizes_replace_the_estimates(tmp_path):
     cfg = tiny_config(tmp_path / "run", "train.max_steps=null", "train.epochs=3")
     ctx = {"source_rows": 10_000, "prompt_tokens": 50.0, "taps": TAPS, "hidden": HIDDEN}
-    manifests = {"curate": {"rows_out": 7, "tokens": 0, "shards": [], "extra": {}}, "tokenize": _tokenized(100, 40)}
+    manifests = {"curate": _manifest("curate", [], 7, 0), "tokenize": _tokenized(100, 40)}
     sizes = stage_sizes(cfg, manifests, ctx)
     assert sizes["tokenize"]["basis"] == "measured" and sizes["regenerate"]["basis"] == "estimated"
     assert sizes["extract"]["tokens"] == 140 and sizes["extract"]["rows"] == 8
@@ -105,7 +112,8 @@ def test_extract_flow_checks_the_space_before_any_shard(tmp_path, tiny_target, m
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 123, 123))
     monkeypatch.setattr(stage_tasks, "stage_shard", None)  # any shard task would fail differently
     cfg = tiny_config(tmp_path / "run")
-    tokenized = {"manifest": _tokenized(1000), "fingerprint": "tok", "digest": "d"}
+    tokenized = StageResult(stage="tokenize", fingerprint="tok", status="ran", digest="d", path="p",
+                            manifest=_tokenized(1000))
     target = {"path": tiny_target.path, "fingerprint": tiny_target.fingerprint}
     with pytest.raises(DraftflowError, match=r"extract needs .* but .* has 123 B free"):
         extract_flow.fn(cfg, target, tokenized)

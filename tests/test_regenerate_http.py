@@ -25,16 +25,16 @@ def test_http_regeneration_feeds_tokenize_through_the_template(tmp_path, tiny_ta
                       "regenerate.openai.model=tiny", "regenerate.checkpoint_every=8")
     store = Store(cfg.root)
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
+    shard = [s for s in cm.shards if s.split == "train"][0]
     regenerate.check_engine(cfg, tiny_target)  # reachable: no error
-    res = regenerate.run_shard(store, "http", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
-    assert res["rows_in"] == res["rows_out"] + sum(res["dropped"].values()) == shard["rows"]
-    rows = read_rows(store.stage_path("regenerate", "http", shard["name"]))
+    res = regenerate.run_shard(store, "http", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
+    assert res.rows_in == res.rows_out + sum(res.dropped.values()) == shard.rows
+    rows = read_rows(store.stage_path("regenerate", "http", shard.name))
     assert rows and all(g["ids"] == [] for r in rows for g in r["generated"])  # text-only engine
     assert '"engine": "openai"' in rows[0]["provenance"]
     # Tokenize derives each turn's ids from the template when the engine gave text only.
-    tok = tokenize.run_shard(store, "tok", cfg, tiny_target, Source("regenerate", "http"), res["shard"])
-    assert tok["rows_out"] + sum(tok["dropped"].values()) == tok["rows_in"] and tok["rows_out"] > 0
+    tok = tokenize.run_shard(store, "tok", cfg, tiny_target, Source("regenerate", "http"), res.shard)
+    assert tok.rows_out + sum(tok.dropped.values()) == tok.rows_in and tok.rows_out > 0
 
 
 def test_unreachable_endpoint_fails_at_stage_start_naming_the_url(tmp_path, tiny_target):

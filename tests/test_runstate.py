@@ -42,7 +42,7 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
     """Regenerate stopped after one of two shards (and a few rows of the second): `1/2 shards`."""
     from draftflow.data.schema import read_rows
     from draftflow.stages import curate, regenerate
-    from draftflow.stages.common import Source, data_shards, fingerprint, manifest_digest
+    from draftflow.stages.common import Source, fingerprint, manifest_digest
     from draftflow.stages.registry import stage_inputs
 
     cfg = tiny_config(tmp_path / "run", "curate.shard_rows=24")  # two train shards
@@ -51,10 +51,10 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
     cm = curate.run(store, fingerprint("curate", cfg, inputs), cfg, inputs)
     rfp = fingerprint("regenerate", cfg, stage_inputs(cfg, "regenerate", tiny_target.fingerprint,
                                                       {"curate": manifest_digest(cm)}))
-    first, second = data_shards(cm, "train")[:2]
+    first, second = cm.data_shards("train")[:2]
     res = regenerate.run_shard(store, rfp, cfg, tiny_target, Source.of(cm), first)
-    rows = read_rows(store.stage_path("regenerate", rfp, res["shard"]["name"]))
-    regenerate.save_partial(store, rfp, second["name"], rows[:3], [])  # the second shard's in-shard checkpoint
+    rows = read_rows(store.stage_path("regenerate", rfp, res.shard.name))
+    regenerate.save_partial(store, rfp, second.name, rows[:3], [])  # the second shard's in-shard checkpoint
 
     status = {s["stage"]: s for s in stage_status(cfg, tiny_target)}
     assert status["curate"]["state"] == "complete"

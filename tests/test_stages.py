@@ -38,15 +38,15 @@ def test_batched_generation_equals_one_by_one(tiny_target):
 
 def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_target):
     store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
-    regen = read_rows(store.stage_path("regenerate", rfp, rres["shard"]["name"]))
-    src = read_rows(store.stage_path("curate", fingerprint("curate", tiny_cfg, {}), shard["name"]))
-    assert len(regen) == len(src) == rres["rows_out"]
+    regen = read_rows(store.stage_path("regenerate", rfp, rres.shard.name))
+    src = read_rows(store.stage_path("curate", fingerprint("curate", tiny_cfg, {}), shard.name))
+    assert len(regen) == len(src) == rres.rows_out
     for r, s in zip(regen, src):
         n_assistant = sum(m["role"] == "assistant" for m in s["messages"])
         assert sum(m["role"] == "assistant" for m in r["messages"]) == n_assistant
         assert all(g["ids"] for g in r["generated"]) and r["sample_id"] == s["sample_id"]
         assert '"target_fingerprint"' in r["provenance"] and r["finish_reason"] in ("stop", "length")
-    toks = read_rows(store.stage_path("tokenize", "tokfp", tres["shard"]["name"]))
+    toks = read_rows(store.stage_path("tokenize", "tokfp", tres.shard.name))
     generated = {(r["sample_id"], g["turn"]): g["ids"] for r in regen for g in r["generated"]}
     for t in toks:
         ids, mask = t["input_ids"], t["loss_mask"]
@@ -61,16 +61,16 @@ def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_
         spans += [cur] if cur else []
         want = [generated[(t["sample_id"], turn)][: len(s)] for turn, s in zip(t["turns"], spans)]
         assert spans == want
-    freq = read_rows(store.stage_path("tokenize", "tokfp", tres["freq"]["name"]))
+    freq = read_rows(store.stage_path("tokenize", "tokfp", tres.info["freq"].name))
     assert sum(r["count"] for r in freq) == sum(sum(t["loss_mask"]) for t in toks)
 
 
 def test_extract_matches_hf_hidden_states_at_l_plus_1(tiny_cfg, tiny_target):
     store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
     cfg = tiny_cfg.model_copy(update={"extract": tiny_cfg.extract.model_copy(update={"dtype": "float32"})})
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
-    fs = FeatureShard(store.stage_path("extract", "exfp", eres["shard"]["name"]))
-    toks = read_rows(store.stage_path("tokenize", "tokfp", tres["shard"]["name"]))
+    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
+    fs = FeatureShard(store.stage_path("extract", "exfp", eres.shard.name))
+    toks = read_rows(store.stage_path("tokenize", "tokfp", tres.shard.name))
     assert len(fs) == len(toks) and fs.layer_ids == [1, 3, 5]
     from draftflow.target import load_target
 

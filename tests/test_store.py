@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from draftflow.contracts import Manifest, ShardEntry
 from draftflow.store import Store, shard_entry, stage_fingerprint
 
 
@@ -22,8 +23,8 @@ def test_writing_commits_atomically_and_cleans_up_on_error(tmp_path):
 
 def _manifest(entry):
     """A complete manifest (`contracts.Manifest`) listing one shard."""
-    return {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
-            "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0, "extra": {}}
+    return Manifest(stage="s", fingerprint="fp", code_version="c", config={}, inputs={}, shards=(entry,),
+                    rows_in=1, rows_out=1, dropped={}, tokens=0)
 
 
 def test_manifest_is_the_completion_marker_and_verifies_shards(tmp_path):
@@ -33,7 +34,7 @@ def test_manifest_is_the_completion_marker_and_verifies_shards(tmp_path):
         open(tmp, "w").write("data")
         entry = shard_entry("x.txt", tmp, rows=1)
     store.write_manifest("s", "fp", _manifest(entry))
-    assert store.read_manifest("s", "fp")["shards"][0]["sha256"] == entry["sha256"]
+    assert store.read_manifest("s", "fp").shards[0].sha256 == entry.sha256
     # A corrupted shard (same size) or a truncated one makes the stage incomplete again.
     open(store.stage_path("s", "fp", "x.txt"), "w").write("dada")
     assert store.read_manifest("s", "fp") is None
@@ -45,7 +46,7 @@ def test_manifest_refuses_to_list_a_missing_shard(tmp_path):
     from draftflow.errors import StoreError
 
     store = Store(str(tmp_path))
-    entry = {"name": "gone.parquet", "rows": 1, "tokens": 0, "bytes": 3, "sha256": "0"}
+    entry = ShardEntry(name="gone.parquet", rows=1, bytes=3, sha256="0" * 64)
     with pytest.raises(StoreError, match="missing"):
         store.write_manifest("s", "fp", _manifest(entry))
     assert not os.path.exists(store.stage_path("s", "fp", "manifest.json"))

@@ -14,6 +14,7 @@ def s3_root(s3_env):
 
 
 def test_atomic_write_manifest_and_checksum_on_s3(s3_root):
+    from draftflow.contracts import Manifest
     from draftflow.store import Store, shard_entry
 
     store = Store(s3_root)
@@ -26,10 +27,10 @@ def test_atomic_write_manifest_and_checksum_on_s3(s3_root):
     with store.writing(store.stage_path("s", "fp", "x.bin")) as tmp:
         open(tmp, "wb").write(b"payload")
         entry = shard_entry("x.bin", tmp, rows=1)
-    manifest = {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
-                "shards": [entry], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0, "extra": {}}
+    manifest = Manifest(stage="s", fingerprint="fp", code_version="c", config={}, inputs={}, shards=(entry,),
+                        rows_in=1, rows_out=1, dropped={}, tokens=0)
     store.write_manifest("s", "fp", manifest)
-    assert store.read_manifest("s", "fp")["shards"][0]["sha256"] == entry["sha256"]
+    assert store.read_manifest("s", "fp").shards[0].sha256 == entry.sha256
     assert open(store.verify_sha("s", "fp", entry), "rb").read() == b"payload"
     assert store.url(store.stage_path("s", "fp")).startswith("s3://draftflow-test/runs/one/s/fp")
 
@@ -45,4 +46,4 @@ def test_curate_stage_writes_its_shards_to_s3(s3_root):
     fp = fingerprint("curate", cfg, {})
     manifest = curate.run(store, fp, cfg, {})
     assert store.read_manifest("curate", fp) == manifest
-    assert manifest["rows_in"] == manifest["rows_out"] + sum(manifest["dropped"].values())
+    assert manifest.rows_in == manifest.rows_out + sum(manifest.dropped.values())

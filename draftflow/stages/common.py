@@ -1,9 +1,9 @@
 """What every stage shares: shard results, rejects, accounting, manifests.
 
-A shard function returns a `ShardResult` dict: the output shard's manifest
+A shard function returns a `contracts.ShardResult`: the output shard's manifest
 entry, its reject shard's entry (or None), and its accounting
 (`rows_in = rows_out + sum(dropped)`, contract 4). `finalize` checks the
-accounting of the whole stage and writes the manifest, last.
+accounting of the whole stage and writes the `contracts.Manifest`, last.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 
 from draftflow.config import STAGE_SECTIONS, RunConfig
-from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardResult
+from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import REJECTED, write_rows
 from draftflow.errors import DraftflowError
 from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
@@ -32,8 +32,8 @@ class Source(NamedTuple):
     fingerprint: str
 
     @classmethod
-    def of(cls, manifest: dict[str, Any]) -> Source:
-        return cls(manifest["stage"], manifest["fingerprint"])
+    def of(cls, manifest: Manifest) -> Source:
+        return cls(manifest.stage, manifest.fingerprint)
 
 
 def fingerprint(stage: str, cfg: RunConfig, inputs: dict[str, str]) -> str:
@@ -48,7 +48,7 @@ def shard_key(fingerprint_: str, input_sha: str, shard_name: str) -> str:
 
 
 def write_parquet(store: Store, stage: str, fp: str, name: str, rows: list[dict], schema: pa.Schema,
-                  tokens: int = 0, **extra: Any) -> dict[str, Any]:
+                  tokens: int = 0, **extra: Any) -> ShardEntry:
     """Write rows as one parquet shard under the stage folder; return its entry."""
     dest = store.stage_path(stage, fp, name)
     with store.writing(dest) as tmp:
@@ -57,7 +57,7 @@ def write_parquet(store: Store, stage: str, fp: str, name: str, rows: list[dict]
     return entry
 
 
-def write_rejects(store: Store, stage: str, fp: str, name: str, rejects: list[dict]) -> dict[str, Any] | None:
+def write_rejects(store: Store, stage: str, fp: str, name: str, rejects: list[dict]) -> ShardEntry | None:
     """Bad rows with their reason go to `rejected-<name>`, never only to the log."""
     if not rejects:
         return None
@@ -71,49 +71,33 @@ def reject(source: str, reason: str, detail: str, row: Any) -> dict[str, str]:
     return {"source": source, "reason": reason, "detail": detail[:500], "row": text[:20000]}
 
 
-def shard_result(entry: dict | None, rejected: dict | None, rows_in: int, rows_out: int,
-                 dropped: Counter | dict, **extra: Any) -> dict[str, Any]:
-    result = {"shard": entry, "rejected": rejected, "rows_in": rows_in, "rows_out": rows_out,
-              "dropped": dict(sorted(dict(dropped).items())), **extra}
-    check_accounting(result, entry["name"] if entry else "shard")
-    ShardResult.model_validate(result)  # the typed contract: entries complete, counts non-negative
-    return result
+def shard_result(entry: ShardEntry | None, rejected: ShardEntry | None, rows_in: int, rows_out: int,
+                 dropped: Counter | dict, **info: Any) -> ShardResult:
+    """A shard's result; `info`: the stage's own per-shard figures (`ShardResult.info`).
 
-
-def check_accounting(counts: dict[str, Any], what: str) -> None:
-    lost = counts["rows_in"] - counts["rows_out"] - sum(counts["dropped"].values())
-    if lost:
-        raise AssertionError(f"{what}: {lost} rows unaccounted for (rows_in={counts['rows_in']}, "
-                             f"rows_out={counts['rows_out']}, dropped={counts['dropped']})")
+    Raises:
+        pydantic.ValidationError: the rows are not accounted for (contract 4) or a count is negative.
+    """
+    return ShardResult(shard=entry, rejected=rejected, rows_in=rows_in, rows_out=rows_out,
+                       dropped=dict(sorted(dict(dropped).items())), info=info)
 
 
 def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str, str],
-             results: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             results: list[ShardResult], extra: dict[str, Any] | None = None) -> Manifest:
     """Sum the shard results, check the accounting and write the manifest (last)."""
     dropped: Counter = Counter()
     for r in results:
-        dropped.update(r["dropped"])
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "stage": stage,
-        "fingerprint": fp,
-        "code_version": code_version(stage),
-        "config": {name: cfg.section(name) for name in STAGE_SECTIONS[stage]},
-        "inputs": inputs,
-        "shards": [r["shard"] for r in results if r["shard"]],
-        "rejected": [r["rejected"] for r in results if r["rejected"]],
-        "rows_in": sum(r["rows_in"] for r in results),
-        "rows_out": sum(r["rows_out"] for r in results),
-        "dropped": dict(sorted(dropped.items())),
-        "tokens": sum(r["shard"]["tokens"] for r in results if r["shard"]),
-        "extra": extra or {},
-    }
-    check_accounting(manifest, stage)
-    Manifest.model_validate(manifest)  # the typed contract, before anything is written
+        dropped.update(r.dropped)
+    manifest = Manifest(  # validated here: the accounting of the whole stage, before anything is written
+        version=MANIFEST_VERSION, stage=stage, fingerprint=fp, code_version=code_version(stage),
+        config={name: cfg.section(name) for name in STAGE_SECTIONS[stage]}, inputs=inputs,
+        shards=tuple(r.shard for r in results if r.shard), rejected=tuple(r.rejected for r in results if r.rejected),
+        rows_in=sum(r.rows_in for r in results), rows_out=sum(r.rows_out for r in results),
+        dropped=dict(sorted(dropped.items())), tokens=sum(r.shard.tokens for r in results if r.shard),
+        extra=extra or {})
     store.write_manifest(stage, fp, manifest)
     tidy_complete(store, stage, fp)
-    log.info("%s: %d rows in, %d out, dropped %s", stage, manifest["rows_in"], manifest["rows_out"],
-             manifest["dropped"])
+    log.info("%s: %d rows in, %d out, dropped %s", stage, manifest.rows_in, manifest.rows_out, manifest.dropped)
     return manifest
 
 
@@ -147,24 +131,27 @@ class EmptyStage(DraftflowError):
     """A stage kept no rows, and the stages after it need some."""
 
 
-def require_rows(manifest: dict[str, Any]) -> None:
+def require_rows(manifest: Manifest) -> None:
     """Stop the run in one line when a stage kept nothing: which stage, and its top drop reasons.
 
     Raises:
         EmptyStage: the manifest's rows_out is 0.
     """
-    if manifest["rows_out"]:
+    if manifest.rows_out:
         return
-    top = sorted(manifest["dropped"].items(), key=lambda kv: -kv[1])[:3]
+    top = sorted(manifest.dropped.items(), key=lambda kv: -kv[1])[:3]
     why = ", ".join(f"{k}={v}" for k, v in top) or "its input was empty"
-    raise EmptyStage(f"{manifest['stage']} kept no rows of {manifest['rows_in']} (dropped {why}); the stages after "
+    raise EmptyStage(f"{manifest.stage} kept no rows of {manifest.rows_in} (dropped {why}); the stages after "
                      f"it have nothing to work on: see its rejected-* shards, fix the cause and re-run")
 
 
-def manifest_digest(manifest: dict[str, Any]) -> str:
-    return digest(manifest)
+def manifest_digest(manifest: Manifest) -> str:
+    """What downstream fingerprints take as this stage's input: the digest of the manifest as written."""
+    return digest(manifest.to_json())
 
 
-def data_shards(manifest: dict[str, Any], split: str | None = None) -> list[dict[str, Any]]:
-    """The manifest's data shards, optionally of one split."""
-    return [s for s in manifest["shards"] if split is None or s.get("split") == split]
+def stage_result(store: Store, manifest: Manifest, status: str) -> StageResult:
+    """What a stage flow returns for a complete stage."""
+    return StageResult(stage=manifest.stage, fingerprint=manifest.fingerprint, status=status,
+                       digest=manifest_digest(manifest), manifest=manifest,
+                       path=store.url(store.stage_path(manifest.stage, manifest.fingerprint)))

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftflow.config import CurateConfig, RunConfig, SourceConfig
+from draftflow.contracts import Manifest, ShardEntry, ShardResult
 from draftflow.data import dedup, mixture, stats
 from draftflow.data.filters import needs_tokens
 from draftflow.data.readers import check_source, file_keys, source_files, source_key
@@ -129,15 +130,16 @@ def _source(cfg: CurateConfig, name: str) -> SourceConfig:
     return next(s for s in cfg.sources if s.name == name)
 
 
-def _commit(store: Store, fp: str, name: str, local: str, rows: int, **extra: Any) -> dict[str, Any]:
+def _commit(store: Store, fp: str, name: str, local: str, rows: int, **extra: Any) -> ShardEntry:
     with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
         shutil.copyfile(local, tmp)
         return shard_entry(name, tmp, rows=rows, **extra)
 
 
 def scan_part(store: Store, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None = None
-              ) -> dict[str, Any]:
-    """Scan one part into `parts/<name>.parquet` (+ its rejects); return the entries and counts."""
+              ) -> ShardResult:
+    """Scan one part into `parts/<name>.parquet` (+ its rejects); return the entries and counts
+    (`info`: the part's name and source)."""
     src = _source(cfg.curate, part["source"])
     out, rej, counts = scan_local(cfg.curate, src, part["files"], tokenizer or cfg.curate.tokenizer)
     try:
@@ -146,16 +148,16 @@ def scan_part(store: Store, fp: str, cfg: RunConfig, part: dict[str, Any], token
             if rej else None
     finally:
         shutil.rmtree(os.path.dirname(out), ignore_errors=True)
-    return {"part": part["name"], "source": src.name, "shard": entry, "rejected": rejected,
-            "rows_in": counts["rows_in"], "rows_out": counts["rows_out"], "dropped": counts["dropped"]}
+    return ShardResult(shard=entry, rejected=rejected, rows_in=counts["rows_in"], rows_out=counts["rows_out"],
+                       dropped=dict(counts["dropped"]), info={"part": part["name"], "source": src.name})
 
 
-def _scan_in_child(root: str, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None) -> dict:
+def _scan_in_child(root: str, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None) -> ShardResult:
     return scan_part(Store(root), fp, cfg, part, tokenizer)
 
 
 def scan_part_isolated(store: Store, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None = None,
-                       min_bytes: int = 16 << 20) -> dict[str, Any]:
+                       min_bytes: int = 16 << 20) -> ShardResult:
     """`scan_part` in a fresh process when the part is big (parsing holds the GIL; threads would not scale)."""
     if part["bytes"] < min_bytes:
         return scan_part(store, fp, cfg, part, tokenizer)
@@ -163,9 +165,9 @@ def scan_part_isolated(store: Store, fp: str, cfg: RunConfig, part: dict[str, An
         return pool.submit(_scan_in_child, store.root, fp, cfg, part, tokenizer).result()
 
 
-def load_keys(store: Store, fp: str, cfg: CurateConfig, scans: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+def load_keys(store: Store, fp: str, cfg: CurateConfig, scans: list[ShardResult]) -> dict[str, np.ndarray]:
     """The merge's view of every scanned row: digests and lengths, never texts."""
-    n = sum(s["rows_out"] for s in scans)
+    n = sum(s.rows_out for s in scans)
     near = cfg.near_dup_threshold is not None
     keys = {"prompt_key": np.empty(n, np.uint64), "order_key": np.empty(n, np.uint64),
             "chars": np.empty(n, np.int32), "source": np.empty(n, np.int16), "offsets": np.zeros(len(scans) + 1, int)}
@@ -175,12 +177,12 @@ def load_keys(store: Store, fp: str, cfg: CurateConfig, scans: list[dict[str, An
     at = 0
     for p, s in enumerate(scans):
         cols = ["prompt_key", "order_key", "prompt_chars"] + (["minhash"] if near else [])
-        t = pq.read_table(store.verify_sha(STAGE, fp, s["shard"]), columns=cols)
+        t = pq.read_table(store.verify_sha(STAGE, fp, s.shard), columns=cols)
         end = at + t.num_rows
         keys["prompt_key"][at:end] = t["prompt_key"].to_numpy()
         keys["order_key"][at:end] = t["order_key"].to_numpy()
         keys["chars"][at:end] = t["prompt_chars"].to_numpy()
-        keys["source"][at:end] = names[s["source"]]
+        keys["source"][at:end] = names[s.info["source"]]
         if near and t.num_rows:
             sig = t["minhash"].combine_chunks()
             keys["minhash"][at:end] = np.frombuffer(sig.buffers()[1], "<u4").reshape(-1, dedup.NUM_PERM)[:t.num_rows]
@@ -256,9 +258,10 @@ def _gather(paths: list[str], offsets: np.ndarray, pos: np.ndarray, a: int, b: i
     return table.take(pa.array(np.argsort(np.concatenate(where), kind="stable")))
 
 
-def write_outputs(store: Store, fp: str, cfg: CurateConfig, scans: list[dict], keys: dict, plan_: dict) -> list[dict]:
+def write_outputs(store: Store, fp: str, cfg: CurateConfig, scans: list[ShardResult], keys: dict,
+                  plan_: dict) -> list[ShardEntry]:
     """Copy the kept rows into fixed-size shards, shuffled, one bounded group of shards at a time."""
-    paths = [store.verify_sha(STAGE, fp, s["shard"]) for s in scans]
+    paths = [store.verify_sha(STAGE, fp, s.shard) for s in scans]
     seq = np.concatenate([plan_["train"], plan_["eval"]])
     pos = np.full(len(keys["order_key"]), -1, np.int64)
     pos[seq] = np.arange(len(seq))
@@ -277,18 +280,18 @@ def write_outputs(store: Store, fp: str, cfg: CurateConfig, scans: list[dict], k
     return entries
 
 
-def _per_source(cfg: CurateConfig, scans: list[dict], keys: dict, plan_: dict) -> dict[str, dict[str, Any]]:
+def _per_source(cfg: CurateConfig, scans: list[ShardResult], keys: dict, plan_: dict) -> dict[str, dict[str, Any]]:
     out = {}
     for i, src in enumerate(cfg.sources):
         mine = keys["source"] == i
         dropped: Counter = Counter()
         for s in scans:
-            if s["source"] == src.name:
-                dropped.update(s["dropped"])
+            if s.info["source"] == src.name:
+                dropped.update(s.dropped)
         for reason in ("duplicate", "near_duplicate", "mixture_cap"):
             if n := int(np.sum(plan_[reason] & mine)):
                 dropped[reason] += n
-        read = sum(s["rows_in"] for s in scans if s["source"] == src.name)
+        read = sum(s.rows_in for s in scans if s.info["source"] == src.name)
         out[src.name] = stats.source_stats(read, dropped, int(np.sum(plan_["keep"] & mine)),
                                            keys["chars"][plan_["keep"] & mine])
         out[src.name]["mixture"] = {"available": plan_["available"][src.name], "quota": plan_["quota"][src.name]}
@@ -327,33 +330,31 @@ def _write_png(store: Store, fp: str, per_source: dict) -> str | None:
     return PNG
 
 
-def merge(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], scans: list[dict]) -> dict[str, Any]:
+def merge(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], scans: list[ShardResult]) -> Manifest:
     """Decide and write the curated set from the scans' partials; write the manifest (last)."""
     ccfg = cfg.curate
-    scans = sorted(scans, key=lambda s: s["part"])
+    scans = sorted(scans, key=lambda s: s.info["part"])
     keys = load_keys(store, fp, ccfg, scans)
     plan_ = decide(ccfg, keys)
     dropped: Counter = Counter()
     for s in scans:
-        dropped.update(s["dropped"])
+        dropped.update(s.dropped)
     dropped.update({r: int(plan_[r].sum()) for r in ("duplicate", "near_duplicate", "mixture_cap") if plan_[r].any()})
-    rows_in = sum(s["rows_in"] for s in scans)
+    rows_in = sum(s.rows_in for s in scans)
     if not len(plan_["train"]):
         reasons = ", ".join(f"{k}={v}" for k, v in sorted(dropped.items())) or "none"
         raise DraftflowError(f"curate kept no training conversations from {rows_in} rows "
                              f"(dropped: {reasons}); check curate.sources and their format")
     entries = write_outputs(store, fp, ccfg, scans, keys, plan_)
-    paths = [store.verify_sha(STAGE, fp, s["shard"]) for s in scans]
+    paths = [store.verify_sha(STAGE, fp, s.shard) for s in scans]
     per_source = _per_source(ccfg, scans, keys, plan_)
     extra = {"sources": per_source, "near_duplicates": near_dup_report(ccfg, paths, keys, plan_),
              "histogram_bins": stats.bin_labels(), "histogram_png": _write_png(store, fp, per_source),
              "kept_per_source": {k: v["kept"] for k, v in per_source.items() if v["kept"]},
              "parts": len(scans)}
-    results = [{"shard": None, "rejected": None, "rows_in": rows_in, "rows_out": int(plan_["keep"].sum()),
-                "dropped": dict(dropped)}]
-    results += [{"shard": None, "rejected": s["rejected"], "rows_in": 0, "rows_out": 0, "dropped": {}}
-                for s in scans if s["rejected"]]
-    results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
+    results = [ShardResult(shard=None, rows_in=rows_in, rows_out=int(plan_["keep"].sum()), dropped=dict(dropped))]
+    results += [ShardResult(shard=None, rejected=s.rejected, rows_in=0, rows_out=0) for s in scans if s.rejected]
+    results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
     manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
     parts = store.stage_path(STAGE, fp, PARTS)
     if store.exists(parts):
@@ -362,7 +363,7 @@ def merge(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], scans: 
 
 
 def run(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], tokenizer: str | None = None,
-        workers: int = 1) -> dict[str, Any]:
+        workers: int = 1) -> Manifest:
     """Run curation in this process (scans over `workers` processes); return the manifest.
 
     Args:

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.features import round_trip
-from draftflow.stages.common import data_shards, finalize
+from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
 
@@ -44,21 +45,21 @@ def first_prompt(messages: list[dict]) -> list[dict]:
     return out
 
 
-def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: bool) -> list[list[int]]:
+def eval_prompts(store: Store, curated: StageResult, chat, enable_thinking: bool) -> list[list[int]]:
     rows = []
-    for shard in data_shards(curated["manifest"], "eval"):
-        rows += read_rows(store.verify_sha("curate", curated["fingerprint"], shard))
+    for shard in curated.manifest.data_shards("eval"):
+        rows += read_rows(store.verify_sha("curate", curated.fingerprint, shard))
     if not rows:
         raise ConfigError("no eval prompts: set curate.eval_fraction above 0 so curate keeps an eval split")
     return [chat.prompt_ids(first_prompt(r["messages"]), **template_kwargs(r, enable_thinking)) for r in rows]
 
 
-def load_drafter(store: Store, trained: dict[str, Any], model):
+def load_drafter(store: Store, trained: StageResult, model):
     """The trained drafter around the target's shared embedding and head (checksums verified)."""
     with tempfile.TemporaryDirectory(prefix="draftflow-drafter-") as folder:
-        for s in trained["manifest"]["shards"]:
-            local = store.verify_sha("train", trained["fingerprint"], s)
-            (Path(folder) / Path(s["name"]).name).write_bytes(Path(local).read_bytes())
+        for s in trained.manifest.shards:
+            local = store.verify_sha("train", trained.fingerprint, s)
+            (Path(folder) / Path(s.name).name).write_bytes(Path(local).read_bytes())
         arch = json.loads((Path(folder) / "config.json").read_text()).get("architecture")
         return spec_for_architecture(arch).model.load(folder, model)
 
@@ -91,7 +92,7 @@ def _drafting(cfg: RunConfig) -> str:
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
-        curated: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+        curated: StageResult, trained: StageResult) -> Manifest:
     """Measure τ on the eval prompts; fail if decoding is not lossless."""
     from draftflow.chat import ChatFormat
     from draftflow.evaluation.decode import evaluate_prompts
@@ -116,21 +117,21 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
             entries.append(shard_entry(name, tmp, rows=0))
     n = stats["prompts"]
     dropped = {"not_selected": len(prompts) - n} if len(prompts) > n else {}
-    results = [{"shard": None, "rejected": None, "rows_in": len(prompts), "rows_out": n, "dropped": dropped}]
-    results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
+    results = [ShardResult(shard=None, rows_in=len(prompts), rows_out=n, dropped=dropped)]
+    results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
-             "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
+             "report": "report.md"}  # relative to the stage folder
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
 
 
-def _export_folders(store: Store, trained: dict[str, Any], into: Path) -> dict[str, Path]:
+def _export_folders(store: Store, trained: StageResult, into: Path) -> dict[str, Path]:
     """Each export format of the train stage (its `extra.files`), copied (checksums verified) into a local folder."""
     folders: dict[str, Path] = {}
-    for s in trained["manifest"].get("extra", {}).get("files", []):
-        parts = Path(s["name"]).parts
+    for s in map(ShardEntry.model_validate, trained.manifest.extra.get("files", [])):
+        parts = Path(s.name).parts
         if len(parts) == 3 and parts[0] == "export":
-            local = Path(store.verify_sha("train", trained["fingerprint"], s))
+            local = Path(store.verify_sha("train", trained.fingerprint, s))
             (into / parts[1]).mkdir(parents=True, exist_ok=True)
             (into / parts[1] / parts[2]).write_bytes(local.read_bytes())
             folders[parts[1]] = into / parts[1]
@@ -152,7 +153,7 @@ def check_served(fmt: str, served, outputs: list[list[int]], tau: float | None, 
                               f"{tolerance:g}): training and serving disagree (taps, mask token, attention)")
 
 
-def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: dict[str, Any],
+def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: StageResult,
                   prompts: list[list[int]], outputs: list[list[int]], tau: float | None,
                   stop_ids: list[int]) -> dict[str, Any]:
     """Serve every export with vLLM on `prompts`; per format its τ, acceptance rates and drafting steps."""

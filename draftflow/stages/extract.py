@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -32,11 +33,12 @@ import torch
 from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows
 from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
-from draftflow.stages.common import Source, data_shards, finalize, shard_result
+from draftflow.stages.common import Source, finalize, shard_result
 from draftflow.store import MANIFEST, Store, shard_entry
 from draftflow.target import TargetRef, resolve_device
 
@@ -121,13 +123,13 @@ def extract_rows(store: Store, fp: str, cfg: RunConfig, target: TargetRef, name:
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
-              shard: dict[str, Any]) -> dict[str, Any]:
+              shard: ShardEntry) -> ShardResult:
     """Extract features for one tokenize shard into one feature shard (resumable inside the shard)."""
     layer_ids = feature_ids(cfg.drafter, target_depth(target.path))
     rows = read_rows(store.verify_sha(*source, shard))
     if not rows:  # empty is a value: nothing to capture, no feature shard (a shard needs one sample)
         return shard_result(None, None, 0, 0, {})
-    name = shard["name"].replace(".parquet", ".safetensors")
+    name = shard.name.replace(".parquet", ".safetensors")
     with tempfile.TemporaryDirectory(prefix="draftflow-extract-") as tmp:
         parts = _open_parts(store, _part_paths(store, fp, name), tmp)
         done = {sid for p in parts for sid in p.sample_ids}
@@ -138,7 +140,7 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
         with store.writing(store.stage_path(STAGE, fp, name)) as out:
             tokens = merge_feature_shards(out, parts, [sample_key(r) for r in rows])
             # tokenize_fingerprint: where train finds the draft vocabulary (EAGLE-3's d2t/t2d).
-            entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard["split"], layer_ids=layer_ids,
+            entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard.split, layer_ids=layer_ids,
                                 dtype=cfg.extract.dtype, tokenize_fingerprint=source.fingerprint)
     _clear_parts(store, fp, name)
     log.info("extracted %s: %d sequences, %d tokens, taps %s, %s", name, len(rows), tokens, layer_ids,
@@ -146,7 +148,7 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
     return shard_result(entry, None, len(rows), len(rows), {})
 
 
-def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]], checksum: bool = True) -> list[str]:
+def bad_shards(store: Store, fp: str, shards: Iterable[ShardEntry], checksum: bool = True) -> list[str]:
     """Names of feature shards that are missing, of the wrong size, or (with `checksum`)
     whose sha256 differs from their manifest entry.
 
@@ -157,11 +159,11 @@ def bad_shards(store: Store, fp: str, shards: list[dict[str, Any]], checksum: bo
     """
     bad = []
     for s in shards:
-        path = store.stage_path(STAGE, fp, s["name"])
-        if not store.exists(path) or store.fs.size(path) != s["bytes"] or \
-                (checksum and sha256_of(path, fs=store.fs) != s["sha256"]):
-            log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s["name"])
-            bad.append(s["name"])
+        path = store.stage_path(STAGE, fp, s.name)
+        if not store.exists(path) or store.fs.size(path) != s.bytes or \
+                (checksum and sha256_of(path, fs=store.fs) != s.sha256):
+            log.warning("feature shard %s is missing, truncated or corrupted; it will be recomputed", s.name)
+            bad.append(s.name)
     return bad
 
 
@@ -169,7 +171,7 @@ def drop_manifest_if_damaged(store: Store, fp: str) -> None:
     """Before a complete stage is reused: a missing or wrong-size feature shard removes the manifest,
     so the stage runs again and recomputes that shard only (the others come back from the cache)."""
     manifest = store.read_manifest(STAGE, fp)
-    if manifest is not None and bad_shards(store, fp, manifest["shards"], checksum=False):
+    if manifest is not None and bad_shards(store, fp, manifest.shards, checksum=False):
         store.fs.rm(store.stage_path(STAGE, fp, MANIFEST))
 
 
@@ -189,12 +191,12 @@ def check_online(cfg: RunConfig) -> None:
 
 
 def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str],
-                    tokenized: dict[str, Any]) -> dict[str, Any]:
+                    tokenized: StageResult) -> Manifest:
     """The extract stage in online mode: no feature shard, the tokenize train shards to read instead."""
     check_online(cfg)
-    shards = data_shards(tokenized["manifest"], "train")
-    rows, tokens = sum(int(s["rows"]) for s in shards), sum(int(s["tokens"]) for s in shards)
-    result = {"shard": None, "rejected": None, "rows_in": rows, "rows_out": rows, "dropped": {}}
+    shards = tokenized.manifest.data_shards("train")
+    rows, tokens = sum(s.rows for s in shards), sum(s.tokens for s in shards)
+    result = ShardResult(shard=None, rows_in=rows, rows_out=rows)
     extra = {"mode": "online", "tokens": tokens,
-             "tokenize": {"fingerprint": tokenized["fingerprint"], "shards": shards}}
+             "tokenize": {"fingerprint": tokenized.fingerprint, "shards": [s.to_json() for s in shards]}}
     return finalize(store, "extract", fp, cfg, inputs, [result], extra=extra)

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from draftflow import progress
 from draftflow.config import RegenerateConfig, RunConfig
+from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_table, template_kwargs, write_rows
 from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
 from draftflow.engines import GenRequest, SamplingParams, make_engine
@@ -209,11 +210,11 @@ def provenance_of(engine, cfg: RunConfig, target: TargetRef, params: SamplingPar
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
-              shard: dict[str, Any]) -> dict[str, Any]:
+              shard: ShardEntry) -> ShardResult:
     """Regenerate one curate shard into a regenerate shard of the same name (resumable)."""
     from draftflow.chat import ChatFormat
 
-    rcfg, name = cfg.regenerate, shard["name"]
+    rcfg, name = cfg.regenerate, shard.name
     rows = read_rows(store.verify_sha(*source, shard))
     done, rejects = load_partial(store, fp, name)
     seen = {r["sample_id"] for r in done} | {r["row"] for r in rejects}
@@ -232,21 +233,21 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
     return _finish_shard(store, fp, shard, rows, done, rejects, cut)
 
 
-def _finish_shard(store: Store, fp: str, shard: dict, rows: list[dict], done: list[dict], rejects: list[dict],
-                  cut: int) -> dict[str, Any]:
+def _finish_shard(store: Store, fp: str, shard: ShardEntry, rows: list[dict], done: list[dict], rejects: list[dict],
+                  cut: int) -> ShardResult:
     order = {r["sample_id"]: i for i, r in enumerate(rows)}
     done = sorted(done, key=lambda r: order[r["sample_id"]])
     ids = [r["sample_id"] for r in done] + [r["row"] for r in rejects]
     assert len(ids) == len(set(ids)) == len(rows), "regenerate lost or duplicated a conversation"
     tokens = sum(g["completion_tokens"] for r in done for g in r["generated"])
-    entry = write_parquet(store, STAGE, fp, shard["name"], done, REGENERATED, tokens=tokens, split=shard["split"])
-    rejected = write_rejects(store, STAGE, fp, shard["name"], rejects)
-    for path in _partial_paths(store, fp, shard["name"]):
+    entry = write_parquet(store, STAGE, fp, shard.name, done, REGENERATED, tokens=tokens, split=shard.split)
+    rejected = write_rejects(store, STAGE, fp, shard.name, rejects)
+    for path in _partial_paths(store, fp, shard.name):
         if store.exists(path):
             store.fs.rm(path)
     dropped = Counter(r["reason"] for r in rejects)
     finish = Counter(r["finish_reason"] for r in done)
-    log.info("regenerated %s: %d conversations, %d tokens, dropped %s", shard["name"], len(done), tokens,
+    log.info("regenerated %s: %d conversations, %d tokens, dropped %s", shard.name, len(done), tokens,
              dict(dropped) or "nothing")
     return shard_result(entry, rejected, len(rows), len(done), dropped, finish_reasons=dict(finish),
                         cut_before_tool_result=cut)

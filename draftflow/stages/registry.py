@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftflow.config import STAGE_SECTIONS, RunConfig
+from draftflow.contracts import ShardResult
 from draftflow.errors import ConfigError
 
 
@@ -40,7 +41,7 @@ def _vllm_group(engine: Callable[[RunConfig], str]) -> Callable[[RunConfig], int
 
 
 # The stage functions, each importing its module when called (see the module docstring).
-def _regenerate_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+def _regenerate_shard(*args: Any, **kwargs: Any) -> ShardResult:
     from draftflow.stages import regenerate
 
     return regenerate.run_shard(*args, **kwargs)
@@ -52,19 +53,19 @@ def _regenerate_check(*args: Any, **kwargs: Any) -> None:
     regenerate.check_engine(*args, **kwargs)
 
 
-def _tokenize_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+def _tokenize_shard(*args: Any, **kwargs: Any) -> ShardResult:
     from draftflow.stages import tokenize
 
     return tokenize.run_shard(*args, **kwargs)
 
 
-def _tokenize_finish(*args: Any, **kwargs: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _tokenize_finish(*args: Any, **kwargs: Any) -> tuple[list[ShardResult], dict[str, Any]]:
     from draftflow.stages import tokenize
 
     return tokenize.finish_stage(*args, **kwargs)
 
 
-def _extract_shard(*args: Any, **kwargs: Any) -> dict[str, Any]:
+def _extract_shard(*args: Any, **kwargs: Any) -> ShardResult:
     from draftflow.stages import extract
 
     return extract.run_shard(*args, **kwargs)

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from draftflow.config import RunConfig, TokenizeConfig
+from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import TOKENIZED, read_rows, template_kwargs, write_rows
 from draftflow.errors import ConversationError
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
@@ -130,19 +131,19 @@ def encode_parallel(rows: list[dict], target_path: str, tcfg: TokenizeConfig, mi
 
 
 def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: Source,
-              shard: dict[str, Any]) -> dict[str, Any]:
+              shard: ShardEntry) -> ShardResult:
     """Tokenize one regenerate shard; also write its token-frequency shard."""
     rows = read_rows(store.verify_sha(*source, shard))
     res = encode_parallel(rows, target.path, cfg.tokenize, min_supervised(cfg))
     out, freq = res["rows"], res["freq"]
     tokens, supervised = sum(len(r["input_ids"]) for r in out), sum(freq.values())
-    entry = write_parquet(store, STAGE, fp, shard["name"], out, TOKENIZED, tokens=tokens,
-                          split=shard["split"], sequences=len(out), supervised_tokens=supervised)
+    entry = write_parquet(store, STAGE, fp, shard.name, out, TOKENIZED, tokens=tokens,
+                          split=shard.split, sequences=len(out), supervised_tokens=supervised)
     freq_rows = [{"token_id": t, "count": c} for t, c in sorted(freq.items())]
-    freq_entry = write_parquet(store, STAGE, fp, f"freq-{shard['name']}", freq_rows, FREQ)
-    rejected = write_rejects(store, STAGE, fp, shard["name"], res["rejects"])
+    freq_entry = write_parquet(store, STAGE, fp, f"freq-{shard.name}", freq_rows, FREQ)
+    rejected = write_rejects(store, STAGE, fp, shard.name, res["rejects"])
     conversations_out = len({r["sample_id"] for r in out})
-    log.info("tokenized %s: %d sequences, %d tokens (%d supervised), dropped %s", shard["name"], len(out),
+    log.info("tokenized %s: %d sequences, %d tokens (%d supervised), dropped %s", shard.name, len(out),
              tokens, supervised, dict(res["dropped"]) or "nothing")
     return shard_result(entry, rejected, len(rows), conversations_out, res["dropped"], freq=freq_entry,
                         sequence_drops=dict(res["seq_drops"]))
@@ -168,16 +169,16 @@ def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list
     return [t - i for i, t in enumerate(used)], t2d
 
 
-def merge_freq(store: Store, fp: str, results: list[dict[str, Any]]) -> Counter:
+def merge_freq(store: Store, fp: str, results: list[ShardResult]) -> Counter:
     total: Counter = Counter()
     for r in results:
-        for row in read_rows(store.verify_sha(STAGE, fp, r["freq"])):
+        for row in read_rows(store.verify_sha(STAGE, fp, r.info["freq"])):
             total[row["token_id"]] += row["count"]
     return total
 
 
 def write_vocab_files(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
-                      results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+                      results: list[ShardResult]) -> list[ShardEntry]:
     """Write `token_freq.parquet` (supervised token counts); return its manifest entry in a list.
 
     The EAGLE-3 draft vocabulary is chosen from these counts by the train stage (`draft_vocab`),
@@ -193,12 +194,12 @@ def write_vocab_files(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
 
 
 def finish_stage(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
-                 results: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 results: list[ShardResult]) -> tuple[list[ShardResult], dict[str, Any]]:
     """After every shard: the vocabulary file joins the results; the manifest's extra counts sequences
     (rows a conversation became) and the sequences dropped, by reason."""
     vocab = write_vocab_files(store, fp, cfg, target, results)
-    drops: Counter = sum((Counter(r["sequence_drops"]) for r in results), Counter())
-    results = results + [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in vocab]
-    extra = {"sequences": sum(r["shard"]["sequences"] for r in results if r["shard"] and "sequences" in r["shard"]),
+    drops: Counter = sum((Counter(r.info["sequence_drops"]) for r in results), Counter())
+    results = results + [ShardResult(shard=e, rows_in=0, rows_out=0) for e in vocab]
+    extra = {"sequences": sum(r.shard.sequences or 0 for r in results if r.shard),
              "sequences_dropped": dict(sorted(drops.items())), "policy": cfg.tokenize.policy}
     return results, extra

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
 from draftflow.drafters.registry import drafter_spec
-from draftflow.export_readme import portable_target_name, serve_command_for
-from draftflow.stages.common import data_shards, finalize
+from draftflow.export_readme import portable_target_name, serve_command, speculative_settings
+from draftflow.stages.common import finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
 from draftflow.target import TargetRef
 from draftflow.training.checkpoint import CKPT_DIR
@@ -49,7 +50,7 @@ def work_dir(store: Store, fp: str) -> str:
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
-        features: dict[str, Any]) -> dict[str, Any]:
+        features: FeatureSource) -> Manifest:
     """Train the drafter on every train feature shard (or online features); return the stage manifest.
 
     In this process (`draftflow.training.job.train_here`), or in torchrun child processes
@@ -64,18 +65,17 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
                                                                              mirror)
     metrics, tokens = trained.metrics, trained.tokens
     entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
-    exports = {fmt: store.url(store.stage_path(STAGE, fp, "export", fmt)) for fmt in EXPORT_FORMATS}
+    exports = {fmt: f"export/{fmt}" for fmt in EXPORT_FORMATS}  # relative to the stage folder, as every path here
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
+    served_from = {fmt: store.url(store.stage_path(STAGE, fp, rel)) for fmt, rel in exports.items()}
     written = write_outputs(out, metrics, trained.target_config, portable_target_name(cfg.target.path, target.path),
-                            cfg.drafter.kind, exports)
-    files = [commit_file(store, fp, out, f, f) for f in written]
-    result = {"shard": None, "rejected": None, "rows_in": trained.rows, "rows_out": trained.rows, "dropped": {}}
-    manifest_results = [result] + [{"shard": e | {"tokens": 0}, "rejected": None, "rows_in": 0, "rows_out": 0,
-                                    "dropped": {}} for e in entries]
-    extra = {"checkpoint": store.url(store.stage_path(STAGE, fp, "checkpoint")), "metrics": metrics,
-             "trained_tokens": tokens, "features": cfg.extract.mode,
-             "export": exports, "serve": serve_lines(out, target.path, exports), "files": files}
-    manifest = finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
+                            cfg.drafter.kind, served_from)
+    files = [commit_file(store, fp, out, f, f).to_json() for f in written]
+    results = [ShardResult(shard=None, rows_in=trained.rows, rows_out=trained.rows)]
+    results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
+    extra = {"checkpoint": "checkpoint", "metrics": metrics, "trained_tokens": tokens, "features": cfg.extract.mode,
+             "export": exports, "files": files}
+    manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
     # The stage is complete: its resume copies (checkpoints, work copies of the exports) are no longer needed.
     if mirror and store.fs.exists(mirror):
         store.fs.rm(mirror, recursive=True)
@@ -87,7 +87,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
 # ----------------------------------------------------------------------------- where training runs
 
 
-def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any],
+def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features: FeatureSource,
                       out: str, mirror: str | None = None) -> Trained:
     """Train in `train.nproc_per_node` torchrun processes on this node (see `draftflow.training.launch`).
 
@@ -103,7 +103,7 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
         prefetch_inputs(store, cfg, features)
     release_gpu_models()
     spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
-            "features": features, "out_dir": out, "mirror": mirror}
+            "features": features.model_dump(mode="json"), "out_dir": out, "mirror": mirror}
     result = launch_training(spec, cfg.train, out)
     target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
     return Trained(result["metrics"], target_config, result["rows"], result["tokens"])
@@ -128,21 +128,17 @@ def release_gpu_models() -> None:
     release_targets()
 
 
-def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> None:
+def prefetch_inputs(store: Store, cfg: RunConfig, features: FeatureSource) -> None:
     """Download (and checksum) every input shard of training into the local cache."""
-    m = features["manifest"]
-    if m["extra"].get("mode") == "online":
-        tok = m["extra"]["tokenize"]
-        for s in tok["shards"]:
-            store.verify_sha("tokenize", tok["fingerprint"], s)
-    else:
-        for s in data_shards(m, "train"):
-            store.verify_sha("extract", features["fingerprint"], s)
+    stage, fp = ("tokenize", features.tokenize_fingerprint) if isinstance(features, OnlineFeatures) else \
+        ("extract", features.fingerprint)
+    for s in features.shards:
+        store.verify_sha(stage, fp, s)
     if drafter_spec(cfg.drafter.kind).draft_vocab:
         token_counts(store, features)
 
 
-def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> dict[str, Any]:
+def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> ShardEntry:
     """Copy `out/local` to `train/<fp>/<name>` atomically; return its manifest entry (bytes, sha256)."""
     with store.writing(store.stage_path(STAGE, fp, *name.split("/"))) as tmp:
         Path(tmp).write_bytes((Path(out) / local).read_bytes())
@@ -165,7 +161,13 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
     return write_metrics(out, metrics) + exports
 
 
-def serve_lines(out: str, target: str, exports: dict[str, str]) -> dict[str, str]:
-    """Per format, the `vllm serve` line of the export written in `out`, served from `exports[fmt]`,
-    with the target as this machine loaded it (`target`), so the line runs here as printed."""
-    return {fmt: serve_command_for(Path(out) / "export" / fmt, target, url) for fmt, url in exports.items()}
+def serve_lines(store: Store, trained: Manifest, target: str) -> dict[str, str]:
+    """Per export format of a complete train stage, the `vllm serve` line of its export where the store
+    holds it, with the target as this machine loaded it (`target`), so the line runs here as printed.
+    Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's."""
+    lines = {}
+    for fmt, rel in trained.extra.get("export", {}).items():
+        folder = store.stage_path(STAGE, trained.fingerprint, rel)
+        config = store.read_json(f"{folder}/config.json")
+        lines[fmt] = serve_command(target, store.url(folder), *speculative_settings(config))
+    return lines

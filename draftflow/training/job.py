@@ -23,13 +23,13 @@ import pyarrow.parquet as pq
 import torch
 
 from draftflow.config import RunConfig
+from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry, tokenize_fingerprints
 from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
 from draftflow.features import STORED, FeatureSample, load_samples, round_trip
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
-from draftflow.stages.common import data_shards
 from draftflow.store import Store
 from draftflow.target import TargetRef, load_target
 from draftflow.training.mirror import push_checkpoint
@@ -40,36 +40,32 @@ def mask_token_id(tokenizer) -> int:
     return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
 
 
-def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: list[dict[str, Any]]) -> None:
+def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: tuple[ShardEntry, ...]) -> None:
     """The drafter's taps (EAGLE-3: and the final state, id -1) must be the ones the features were extracted at."""
     for s in shards:
-        if list(s["layer_ids"]) != dcfg.feature_ids:
+        if list(s.layer_ids or ()) != dcfg.feature_ids:
             raise ConfigError(
-                f"feature shard {s['name']} holds taps {s['layer_ids']} but the drafter wants "
+                f"feature shard {s.name} holds taps {list(s.layer_ids or ())} but the drafter wants "
                 f"{dcfg.feature_ids}; re-run extract with the same drafter.kind and drafter.target_layer_ids"
             )
 
 
-def token_counts(store: Store, features: dict[str, Any]) -> str:
+def token_counts(store: Store, features: FeatureSource) -> str:
     """Local, checksum-verified path of `token_freq.parquet` of the tokenize stage the features came from.
 
     Raises:
         ConfigError: the extract manifest does not name its tokenize stage, or that stage has no counts.
     """
-    m = features["manifest"]
-    if m["extra"].get("mode") == "online":
-        fps = {m["extra"]["tokenize"]["fingerprint"]}
-    else:
-        fps = {s.get("tokenize_fingerprint") for s in data_shards(m, "train")}
+    fps = tokenize_fingerprints(features)
     tm = store.read_manifest("tokenize", next(iter(fps))) if len(fps) == 1 and None not in fps else None
-    entry = next((e for e in (tm or {}).get("shards", []) if e.get("kind") == "freq"), None)
+    entry = next((e for e in (tm.shards if tm else ()) if e.kind == "freq"), None)
     if entry is None:
         raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's token_freq.parquet, but the features "
                           f"name tokenize stage(s) {sorted(map(str, fps))} without one; re-run tokenize and extract")
     return store.verify_sha("tokenize", next(iter(fps)), entry)
 
 
-def draft_vocab(store: Store, features: dict[str, Any], size: int,
+def draft_vocab(store: Store, features: FeatureSource, size: int,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d): the `size` most frequent supervised tokens counted by tokenize, for a target
     vocabulary of `vocab_size`. Chosen here, not in tokenize, so `drafter.draft_vocab_size` is a
@@ -84,7 +80,7 @@ def draft_vocab(store: Store, features: dict[str, Any], size: int,
     return torch.tensor(d2t, dtype=torch.int64), torch.tensor(t2d, dtype=torch.bool)
 
 
-def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: dict[str, Any]):
+def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: FeatureSource):
     """(the drafter config of `drafter.kind`, the draft vocabulary (d2t, t2d) for kinds that choose one else None)."""
     check_drafter(cfg.drafter)
     spec = drafter_spec(cfg.drafter.kind)
@@ -106,7 +102,7 @@ class Trained:
     tokens: int  # their tokens
 
 
-def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[str, Any], out: str,
+def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: FeatureSource, out: str,
                mirror: str | None = None) -> Trained:
     """Load the target, the drafter config and the samples, and train in this process.
 
@@ -124,17 +120,14 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: dict[s
 
 
 def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig | Eagle3Config,
-                     features: dict[str, Any]) -> tuple[Any, int]:
+                     features: FeatureSource) -> tuple[Any, int]:
     """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
-    m = features["manifest"]
-    if m["extra"].get("mode") == "online":
-        tok = m["extra"]["tokenize"]
-        paths = [store.verify_sha("tokenize", tok["fingerprint"], s) for s in tok["shards"]]
+    if isinstance(features, OnlineFeatures):
+        paths = [store.verify_sha("tokenize", features.tokenize_fingerprint, s) for s in features.shards]
         samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.feature_ids)
         return samples, samples.tokens
-    shards = data_shards(m, "train")
-    check_taps(dcfg, shards)
-    samples = load_samples([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    check_taps(dcfg, features.shards)
+    samples = load_samples([store.verify_sha("extract", features.fingerprint, s) for s in features.shards])
     return samples, sum(int(s.input_ids.numel()) for s in samples)
 
 

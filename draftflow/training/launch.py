@@ -210,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_rank(spec: dict[str, Any], folder: Path, rank: int) -> None:
     from draftflow.config import RunConfig
+    from draftflow.contracts import read_feature_source
     from draftflow.store import Store
     from draftflow.target import TargetRef
     from draftflow.training.job import train_here
 
     cfg = _bind_device(RunConfig.model_validate(spec["config"]))
-    trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), spec["features"], spec["out_dir"],
+    features = read_feature_source(spec["features"])
+    trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), features, spec["out_dir"],
                          spec.get("mirror"))
     if rank == 0:
         (folder / "target").mkdir(exist_ok=True)
