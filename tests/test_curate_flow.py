@@ -19,9 +19,9 @@ def test_curate_flow_scans_parts_as_tasks_and_publishes_source_table(prefect_har
     cfg = load_config(None, [f"root={tmp_path / 'run'}", "name=flowtest"]).model_copy(
         update={"curate": CurateConfig(sources=sources, shard_rows=16)})
     result = curate_flow(cfg)
-    m = result["manifest"]
-    assert result["status"] == "ran" and m["extra"]["parts"] == 4
-    assert m["dropped"] == {"duplicate": 20} and m["rows_out"] == 60
+    m = result.manifest
+    assert result.status == "ran" and m.extra["parts"] == 4
+    assert m.dropped == {"duplicate": 20} and m.rows_out == 60
     assert curate_flow(cfg)["status"] == "reused"
     table = Artifact.get("flowtest-curate-sources")
     assert table is not None and "glob" in str(table.data)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from draftflow.contracts import Manifest
-
 from draftflow.stages import extract
 from draftflow.stages.common import EmptyStage, Source, require_rows, write_parquet
 from draftflow.store import Store

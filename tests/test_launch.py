@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
+from draftflow.contracts import StoredFeatures
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
@@ -28,9 +29,9 @@ def front(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("launch") / "run"
     cfg = tiny_config(root, *TRAIN)
     store, _, _, _, tres = run_front(cfg, tiny_target)
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
+    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
     manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
-    return root, {"manifest": manifest, "fingerprint": "exfp"}
+    return root, StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
 
 
 def _train(root, tiny_target, features, fp, *overrides):
@@ -75,7 +76,7 @@ def test_a_rank_crash_is_one_line_with_the_exit_code_and_log_and_no_manifest(fro
     root, features = front
     copy = tmp_path / "run"
     shutil.copytree(root / "extract", copy / "extract")
-    shard = features["manifest"]["shards"][0]["name"]
+    shard = features.shards[0].name
     (copy / "extract" / "exfp" / shard).unlink()  # the ranks find it gone
     with pytest.raises(TrainingCrashed) as info:
         _train(copy, tiny_target, features, "fp-gone", "train.nproc_per_node=2")

@@ -18,6 +18,7 @@ SCRIPT = """
 import sys, json, torch
 torch.set_num_threads(1)
 from draftflow.config import RunConfig
+from draftflow.contracts import ShardEntry
 from draftflow.stages import regenerate
 from draftflow.stages.common import Source
 from draftflow.store import Store
@@ -25,7 +26,7 @@ from draftflow.target import TargetRef
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 args = json.load(open(sys.argv[2]))
 regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), Source("curate", args["curate_fp"]),
-                     args["shard"])
+                     ShardEntry.model_validate(args["shard"]))
 """
 
 
@@ -39,16 +40,16 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     cfg = tiny_config(tmp_path / "run", "regenerate.checkpoint_every=2")
     store = Store(cfg.root)
     cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
-    reference = regenerate.run_shard(store, "reference", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
+    shard = [s for s in cm.shards if s.split == "train"][0]
+    reference = regenerate.run_shard(store, "reference", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
 
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
     (tmp_path / "args.json").write_text(json.dumps({"target": {"path": tiny_target.path,
                                                                "fingerprint": tiny_target.fingerprint},
-                                                    "curate_fp": cm["fingerprint"], "shard": shard}))
+                                                    "curate_fp": cm.fingerprint, "shard": shard.to_json()}))
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(tmp_path / "args.json")],
                             cwd=ROOT)
-    partial = Path(store.stage_path("regenerate", "killed", "partial", shard["name"]))
+    partial = Path(store.stage_path("regenerate", "killed", "partial", shard.name))
     deadline = time.time() + 120
     while not partial.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
@@ -56,10 +57,10 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     done_before = len(read_rows(str(partial)))
-    assert 0 < done_before < shard["rows"]  # killed mid-shard, after a checkpoint
-    assert not Path(store.stage_path("regenerate", "killed", shard["name"])).exists()  # nothing looks complete
+    assert 0 < done_before < shard.rows  # killed mid-shard, after a checkpoint
+    assert not Path(store.stage_path("regenerate", "killed", shard.name)).exists()  # nothing looks complete
 
-    resumed = regenerate.run_shard(store, "killed", cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
+    resumed = regenerate.run_shard(store, "killed", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
     ref_rows = read_rows(store.stage_path("regenerate", "reference", reference["shard"]["name"]))
     got_rows = read_rows(store.stage_path("regenerate", "killed", resumed["shard"]["name"]))
     assert [r["sample_id"] for r in got_rows] == [r["sample_id"] for r in ref_rows]  # no loss, no duplicate

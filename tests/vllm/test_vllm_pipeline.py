@@ -52,13 +52,13 @@ def test_every_stage_ran_with_vllm_engines(dflash_run):
 def test_regenerated_ids_equal_the_transformers_engine(dflash_run, tiny_target):
     cfg, summary = dflash_run
     store = Store(cfg.root)
-    manifest = json.loads((Path(_stage(summary, "curate")["path"]) / "manifest.json").read_text())
-    shard = next(s for s in manifest["shards"] if s["split"] == "train")
-    got = read_rows(str(Path(_stage(summary, "regenerate")["path"]) / shard["name"]))
+    manifest = store.read_manifest("curate", _stage(summary, "curate")["fingerprint"])
+    shard = next(s for s in manifest.shards if s.split == "train")
+    got = read_rows(str(Path(_stage(summary, "regenerate")["path"]) / shard.name))
     hf_cfg = cfg.model_copy(update={"regenerate": cfg.regenerate.model_copy(update={"engine": "hf",
                                                                                     "batch_size": 1})})
     ref = regenerate.run_shard(store, "hf-reference", hf_cfg, tiny_target, Source.of(manifest), shard)
-    want = read_rows(store.stage_path("regenerate", "hf-reference", ref["shard"]["name"]))
+    want = read_rows(store.stage_path("regenerate", "hf-reference", ref.shard.name))
     ids = lambda rows: [(r["sample_id"], [g["ids"] for g in r["generated"]]) for r in rows]  # noqa: E731
     assert ids(got) == ids(want)  # multi-turn and tool conversations of the sample data included
 
@@ -123,13 +123,16 @@ def test_a_wrong_mask_token_in_the_export_fails_the_serving_check(dflash_run, tm
 def _eval_prompts_and_greedy(cfg, summary, tiny_target):
     """The evaluate stage's prompts, the target's greedy output for each, and its stop ids."""
     from draftflow.chat import ChatFormat
+    from draftflow.contracts import StageResult
     from draftflow.evaluation.decode import greedy_generate
     from draftflow.stages.evaluate import eval_prompts
     from draftflow.target import eos_token_ids, load_target
 
     model, tokenizer = load_target(tiny_target.path, "float32", "cpu")
-    manifest = json.loads((Path(_stage(summary, "curate")["path"]) / "manifest.json").read_text())
-    curated = {"manifest": manifest, "fingerprint": manifest["fingerprint"]}
+    curate = _stage(summary, "curate")
+    manifest = Store(cfg.root).read_manifest("curate", curate["fingerprint"])
+    curated = StageResult(stage="curate", fingerprint=manifest.fingerprint, status="reused", digest="d",
+                          path=curate["path"], manifest=manifest)
     prompts = eval_prompts(Store(cfg.root), curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
     prompts = prompts[: cfg.evaluate.num_prompts]
     eos = eos_token_ids(model, tokenizer)

@@ -27,6 +27,7 @@ PARAMS = SamplingParams(max_new_tokens=12)
 KILLED = """
 import sys, json
 from draftflow.config import RunConfig
+from draftflow.contracts import ShardEntry
 from draftflow.stages import regenerate
 from draftflow.stages.common import Source
 from draftflow.store import Store
@@ -36,7 +37,7 @@ if __name__ == "__main__":  # vLLM starts its engine with spawn
     cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
     args = json.load(open(sys.argv[2]))
     regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]),
-                         Source("curate", args["curate_fp"]), args["shard"])
+                         Source("curate", args["curate_fp"]), ShardEntry.model_validate(args["shard"]))
 """
 
 
@@ -80,15 +81,15 @@ def _ids(rows):
 def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, tiny_target, vllm_engine):
     store = Store(vcfg.root)
     cm = curate.run(store, fingerprint("curate", vcfg, {}), vcfg, {})
-    shard = [s for s in cm["shards"] if s["split"] == "train"][0]
+    shard = [s for s in cm.shards if s.split == "train"][0]
     (tmp_path / "cfg.json").write_text(vcfg.model_dump_json())
     (tmp_path / "args.json").write_text(json.dumps({
         "target": {"path": tiny_target.path, "fingerprint": tiny_target.fingerprint},
-        "curate_fp": cm["fingerprint"], "shard": shard}))
+        "curate_fp": cm.fingerprint, "shard": shard.to_json()}))
     (tmp_path / "killed.py").write_text(KILLED)
     proc = subprocess.Popen([sys.executable, str(tmp_path / "killed.py"), str(tmp_path / "cfg.json"),
                              str(tmp_path / "args.json")], cwd=ROOT, start_new_session=True)
-    partial = Path(store.stage_path("regenerate", "killed", "partial", shard["name"]))
+    partial = Path(store.stage_path("regenerate", "killed", "partial", shard.name))
     deadline = time.time() + 900
     while not partial.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -96,17 +97,17 @@ def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, ti
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     done_before = len(read_rows(str(partial)))
-    assert 0 < done_before < shard["rows"]  # killed mid-shard, after a checkpoint
-    assert not Path(store.stage_path("regenerate", "killed", shard["name"])).exists()
+    assert 0 < done_before < shard.rows  # killed mid-shard, after a checkpoint
+    assert not Path(store.stage_path("regenerate", "killed", shard.name)).exists()
 
-    resumed = regenerate.run_shard(store, "killed", vcfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
-    got = read_rows(store.stage_path("regenerate", "killed", resumed["shard"]["name"]))
+    resumed = regenerate.run_shard(store, "killed", vcfg, tiny_target, Source("curate", cm.fingerprint), shard)
+    got = read_rows(store.stage_path("regenerate", "killed", resumed.shard.name))
     # The reference runs one conversation at a time: padding in a transformers batch moves float sums
     # enough to flip near-ties of the random tiny target, which would test padding, not vLLM.
     hf_cfg = vcfg.model_copy(update={"regenerate": vcfg.regenerate.model_copy(update={"engine": "hf",
                                                                                       "batch_size": 1})})
-    ref = regenerate.run_shard(store, "hf", hf_cfg, tiny_target, Source("curate", cm["fingerprint"]), shard)
-    want = read_rows(store.stage_path("regenerate", "hf", ref["shard"]["name"]))
+    ref = regenerate.run_shard(store, "hf", hf_cfg, tiny_target, Source("curate", cm.fingerprint), shard)
+    want = read_rows(store.stage_path("regenerate", "hf", ref.shard.name))
     assert [r["sample_id"] for r in got] == [r["sample_id"] for r in want]  # nothing lost or duplicated
     assert _ids(got) == _ids(want)  # vLLM's greedy ids, resumed, equal transformers' uninterrupted ones
     assert '"engine": "vllm"' in got[0]["provenance"]
