@@ -15,17 +15,23 @@ index. Bytes per token are taps x hidden x dtype size plus 5 (ids, mask), plus
 
 The file is standard safetensors, but written and read here directly: writes
 stream sample by sample (a shard never has to fit in memory twice, and shards
-merge by copying byte ranges), and reads take byte ranges of one sample from
-an mmap (local) or an fsspec file (`s3://…`, ranged GETs), so random access by
-sample id never reads the whole shard. fp8 reads dequantize to bf16.
-This module knows nothing of models, engines or stages.
+merge by copying byte ranges), and reads take byte ranges of one sample: one
+`pread` per stored tensor (local) or ranged reads of an fsspec file (`s3://…`),
+so random access by sample id never reads the whole shard. fp8 reads dequantize
+to bf16. This module knows nothing of models, engines or stages.
+
+Trade-off (local reads): one large `pread` per tensor range copies the sample
+into process memory, where an mmap view would be zero-copy. On a cold page
+cache the mmap faulted 4 KiB pages in behind a small read-ahead window and read
+at ~0.46x raw disk (issue 16); a pread of a whole range is one request the
+kernel serves at sequential speed (`benchmarks/feature_store.py`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -168,6 +174,22 @@ def merge_feature_shards(path: str | Path, parts: list[FeatureShard], sample_ids
 
 
 # -- reading -------------------------------------------------------------------------------------
+def read_range(path: str, start: int, end: int) -> bytearray:
+    """Bytes [start, end) of a local file in one `pread` (repeated only after a short read)."""
+    buf = bytearray(end - start)
+    view, fd = memoryview(buf), os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n <= 0:
+                raise StoreError(f"feature shard {path} ended at byte {start + done}; it will be recomputed")
+            done += n
+    finally:
+        os.close(fd)
+    return buf
+
+
 def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
     """sha256 of a local or fsspec file (a path on `fs` when given), streamed."""
     if fs is None:
@@ -178,16 +200,23 @@ def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
 class FeatureShard:
     """Random access by sample id, and streaming, over one feature shard (local path or fsspec URL).
 
-    Local files are memory-mapped (copy-on-write, so returned tensors are zero-copy views);
-    remote ones are read by byte range through fsspec. With `sha256`, the whole file is hashed
-    first. A truncated, foreign or corrupted file raises `StoreError`.
+    Local files are read with one `pread` per tensor range (tensors own their memory); remote
+    ones by byte range through fsspec, or through `reader` when given: a callable
+    `(start, end) -> bytes` (ranged GETs of a streaming source, `draftflow.feature_stream`).
+    With `sha256`, the whole file is hashed first. A truncated, foreign or corrupted file raises
+    `StoreError`.
     """
 
-    def __init__(self, path: str | Path, sha256: str | None = None, storage_options: dict | None = None):
+    def __init__(self, path: str | Path, sha256: str | None = None, storage_options: dict | None = None,
+                 reader=None, size: int | None = None):
         self.path = str(path)
         if sha256 is not None and sha256_of(self.path, storage_options) != sha256:
             raise StoreError(f"feature shard {self.path} fails its checksum; it will be recomputed")
-        self._open(storage_options or {})
+        if reader is not None:
+            self._remote, self._reader, self._size = True, reader, size
+        else:
+            self._reader = None
+            self._open(storage_options or {})
         self._read_header()
         self.offsets = self._tensor("offsets", 0, self._info["offsets"]["shape"][0])
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
@@ -199,14 +228,15 @@ class FeatureShard:
         if self._remote:
             self._fh = fs.open(p, "rb", block_size=4 << 20)
         else:
-            with open(p, "rb") as fh:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self._size else None
+            self._local = p
 
     def _bytes(self, start: int, end: int):
         if end > self._size:
             raise StoreError(f"feature shard {self.path} is truncated; it will be recomputed")
         if not self._remote:
-            return memoryview(self._mm)[start:end]
+            return read_range(self._local, start, end)
+        if self._reader is not None:
+            return bytearray(self._reader(start, end))
         self._fh.seek(start)
         return bytearray(self._fh.read(end - start))
 

@@ -26,7 +26,8 @@ from draftflow.config import RunConfig
 from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
-from draftflow.features import STORED, FeatureSample, load_samples, round_trip
+from draftflow.feature_stream import local_source
+from draftflow.features import STORED, FeatureSample, round_trip
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
 from draftflow.stages.common import data_shards
@@ -134,8 +135,8 @@ def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFla
         return samples, samples.tokens
     shards = data_shards(m, "train")
     check_taps(dcfg, shards)
-    samples = load_samples([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
-    return samples, sum(int(s.input_ids.numel()) for s in samples)
+    source = local_source([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    return source, source.tokens  # read per step, by the ranks that train on them
 
 
 class OnlineSamples:
