@@ -239,6 +239,7 @@ class EvaluateConfig(Section):
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
     vllm_tau_tolerance: float = Field(
         0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
+    kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
 
 
 class RunnerConfig(Section):

@@ -16,7 +16,8 @@ sampling (greedy only, temperature 0).
 Key trade-off: the target is re-run over the whole sequence every step (no KV
 cache). That is O(T^2) per step and slow, but every target call is the same
 plain forward pass that `greedy_generate` uses, so the lossless comparison is
-exact and the code is short. A KV-cached verifier is later work.
+exact and the code is short. It stays as the reference; the KV-cached loops
+(`draftflow.evaluation.cached`, the default through `evaluate.kv_cache`) must equal it.
 """
 
 from __future__ import annotations
@@ -157,8 +158,13 @@ def evaluate_prompts(
     ecfg: EvaluateConfig,
     eos_ids: set[int],
     round_features: RoundFn | None = None,
+    generate: Callable[..., tuple[list[int], list[int]]] | None = None,
+    reference: Callable[..., list[int]] | None = None,
 ) -> dict:
     """Decode every prompt speculatively, check it against greedy, report acceptance.
+
+    This runs the loops it is given, by default the uncached reference ones here;
+    `draftflow.evaluation.cached.evaluate_prompts` chooses them by `ecfg.kv_cache`.
 
     Args:
         prompts: token id lists; the first `ecfg.num_prompts` are used (all when null).
@@ -166,6 +172,8 @@ def evaluate_prompts(
             caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
         round_features: the feature store's rounding (see `capture_taps`).
+        generate, reference: the speculative loop and the greedy reference (signatures of
+            `speculative_generate` and `greedy_generate`, which they default to).
 
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
@@ -180,9 +188,10 @@ def evaluate_prompts(
     lengths: list[int] = []
     outputs, per_prompt = [], []
     drafter.eval()
+    generate, reference = generate or speculative_generate, reference or greedy_generate
     for i, prompt in enumerate(chosen):
-        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
-        ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
+        spec, acc = generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
+        ref = reference(target, prompt, ecfg.max_new_tokens, eos_ids)
         check_lossless(i, spec, ref)
         lengths += acc
         outputs.append(spec)

@@ -94,7 +94,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
         curated: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     """Measure τ on the eval prompts; fail if decoding is not lossless."""
     from draftflow.chat import ChatFormat
-    from draftflow.evaluation.decode import evaluate_prompts
+    from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
     prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
