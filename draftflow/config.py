@@ -68,6 +68,9 @@ class SourceConfig(Section):
     columns: dict[str, str] = Field(default_factory=dict, description="adapter column -> source column")
     count: int | None = Field(None, ge=0, description="keep at most this many rows of this source")
     weight: float | None = Field(None, gt=0.0, description="share of the mixture (with the other weights)")
+    category: str | None = Field(None, min_length=1, description="evaluation category of its rows (chat, code, math)")
+    category_field: str | None = Field(None, min_length=1, description="row column naming the category (else category)")
+    split: Literal["train", "eval"] | None = Field(None, description="every row to this split; null = eval_fraction")
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceConfig:
@@ -239,6 +242,8 @@ class EvaluateConfig(Section):
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
     vllm_tau_tolerance: float = Field(
         0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
+    categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
+    baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
     kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
 
 

@@ -156,6 +156,10 @@ def cmd_run(args) -> int:
               f"dropped {dropped:<28} {s['path']}")
     tau = summary["tau"]
     print(f"mean acceptance length tau = {'n/a' if tau is None else f'{tau:.3f}'}")
+    from draftflow.evaluation.summary import console_lines
+
+    for line in console_lines(summary.get("evaluation")):
+        print(line)
     print(f"checkpoint: {summary['checkpoint']}")
     for fmt, path in summary.get("exports", {}).items():
         print(f"export ({fmt}): {path}")

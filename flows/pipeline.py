@@ -59,6 +59,7 @@ def summarize(cfg: RunConfig, stages: list[dict]) -> dict:
                    {"rows_in": s["manifest"]["rows_in"], "rows_out": s["manifest"]["rows_out"],
                     "dropped": s["manifest"]["dropped"]} for s in stages],
         "tau": report["tau"],
+        "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
         "checkpoint": trained["checkpoint"],
         "exports": trained.get("export", {}),  # format -> folder
         "serve": trained.get("serve", {}),  # format -> `vllm serve` line (built by the train stage)

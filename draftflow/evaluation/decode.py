@@ -30,6 +30,7 @@ import torch
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
+from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
 from draftflow.models.dflash import DFlashDrafter
 
@@ -70,11 +71,15 @@ def propose(drafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int
         seq: the tokens the target has read (positions 0..n-1); anchor: its newest token (position n).
         ctx: (n, n_taps * D) tap features of positions 0..n-1.
     """
+    if isinstance(drafter, Baseline):  # training-free proposers draft by themselves
+        return drafter.propose(seq, anchor, ctx)
     return spec_for_architecture(drafter.config.architecture).propose(drafter, seq, anchor, ctx)
 
 
 def drafts_per_step(drafter) -> int:
     """Most drafts one step can accept: B-1 (DFlash) or the chain depth (EAGLE-3)."""
+    if isinstance(drafter, Baseline):
+        return drafter.max_drafts
     return spec_for_architecture(drafter.config.architecture).drafts_per_step(drafter.config)
 
 
@@ -179,14 +184,15 @@ def evaluate_prompts(
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
         fraction of steps that accepted at least k drafts), accept_histogram, tokens,
         steps, prompts, tau_per_prompt (None where a prompt needed no drafting step), and
-        outputs (the generated tokens per prompt, equal to greedy; not for reports).
+        outputs (the generated tokens per prompt, equal to greedy; not for reports) and
+        accept_lengths (each prompt's acceptance length per step, for per-category stats; not for reports).
 
     Raises:
         LosslessError: speculative output differs from greedy (prompt index and position).
     """
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
     lengths: list[int] = []
-    outputs, per_prompt = [], []
+    outputs, per_prompt, per_step = [], [], []
     drafter.eval()
     generate, reference = generate or speculative_generate, reference or greedy_generate
     for i, prompt in enumerate(chosen):
@@ -196,11 +202,13 @@ def evaluate_prompts(
         lengths += acc
         outputs.append(spec)
         per_prompt.append(sum(acc) / len(acc) if acc else None)
+        per_step.append(acc)
     return acceptance_stats(lengths, drafts_per_step(drafter) + 1) | {
         "tokens": sum(len(o) for o in outputs),
         "prompts": len(chosen),
         "tau_per_prompt": per_prompt,
         "outputs": outputs,
+        "accept_lengths": per_step,
     }
 
 

@@ -21,10 +21,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from draftflow.config import RunConfig
+from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
+from draftflow.evaluation.suite import add_comparisons
+from draftflow.evaluation.summary import draw_plots, headline
+from draftflow.evaluation.summary import markdown as evaluation_markdown
 from draftflow.features import round_trip
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, shard_entry
@@ -44,13 +47,39 @@ def first_prompt(messages: list[dict]) -> list[dict]:
     return out
 
 
-def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: bool) -> list[list[int]]:
+def eval_rows(store: Store, curated: dict[str, Any]) -> list[dict[str, Any]]:
+    """Curate's eval split, in its (shuffled) order; checksums verified."""
     rows = []
     for shard in data_shards(curated["manifest"], "eval"):
         rows += read_rows(store.verify_sha("curate", curated["fingerprint"], shard))
     if not rows:
-        raise ConfigError("no eval prompts: set curate.eval_fraction above 0 so curate keeps an eval split")
-    return [chat.prompt_ids(first_prompt(r["messages"]), **template_kwargs(r, enable_thinking)) for r in rows]
+        raise ConfigError("no eval prompts: set curate.eval_fraction above 0, or `split: eval` on a curate source, "
+                          "so curate keeps an eval split")
+    return rows
+
+
+def eval_set(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
+             ecfg: EvaluateConfig | None = None) -> tuple[list[list[int]], list[str], int]:
+    """(prompt ids, their categories, eval rows in all): the prompts `ecfg` selects (`evaluate.categories`,
+    then `num_prompts` round-robin over categories: `draftflow.evaluation.suite.select`); all without `ecfg`.
+
+    Raises:
+        ConfigError: no eval split, or a category in `evaluate.categories` that no eval prompt has.
+    """
+    from draftflow.evaluation.suite import row_category, select
+
+    rows = eval_rows(store, curated)
+    cats = [row_category(r) for r in rows]
+    chosen = select(cats, ecfg.categories, ecfg.num_prompts) if ecfg else list(range(len(rows)))
+    prompts = [chat.prompt_ids(first_prompt(rows[i]["messages"]), **template_kwargs(rows[i], enable_thinking))
+               for i in chosen]
+    return prompts, [cats[i] for i in chosen], len(rows)
+
+
+def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
+                 ecfg: EvaluateConfig | None = None) -> list[list[int]]:
+    """The prompt ids of `eval_set`."""
+    return eval_set(store, curated, chat, enable_thinking, ecfg)[0]
 
 
 def load_drafter(store: Store, trained: dict[str, Any], model):
@@ -83,7 +112,21 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
                   "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
         lines += [f"| {fmt} | {_tau(r['tau'])} | {_tau(stats['tau'])} | {r['drafts']} | yes |"
                   for fmt, r in stats["vllm"].items()]
+    if "categories" in stats:  # categories, baselines, projected speedup and their plots
+        lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def write_plots(store: Store, fp: str, stats: dict[str, Any]) -> list[dict[str, Any]]:
+    """Draw the evaluation plots beside report.md; their shard entries (`stats['plots']` names them)."""
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="draftflow-plots-") as folder:
+        stats["plots"] = draw_plots(stats, folder)
+        for name in stats["plots"]:
+            with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
+                Path(tmp).write_bytes((Path(folder) / name).read_bytes())
+                entries.append(shard_entry(name, tmp, rows=0))
+    return entries
 
 
 def _drafting(cfg: RunConfig) -> str:
@@ -97,7 +140,8 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
-    prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
+    prompts, categories, n_eval = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
+                                           cfg.evaluate)
     drafter = load_drafter(store, trained, model)
     # Draft from features rounded like the stored ones the drafter was trained on.
     n_taps = len(drafter.config.target_layer_ids)
@@ -105,22 +149,23 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     eos = eos_token_ids(model, tokenizer)
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
+    add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     outputs = stats.pop("outputs")
     if cfg.evaluate.engine == "vllm":
         stats["vllm"] = serve_exports(store, cfg, target, trained, prompts[: len(outputs)], outputs, stats["tau"],
                                       sorted(eos))
-    entries = []
+    entries = write_plots(store, fp, stats)
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
             Path(tmp).write_text(text)
             entries.append(shard_entry(name, tmp, rows=0))
     n = stats["prompts"]
-    dropped = {"not_selected": len(prompts) - n} if len(prompts) > n else {}
-    results = [{"shard": None, "rejected": None, "rows_in": len(prompts), "rows_out": n, "dropped": dropped}]
+    dropped = {"not_selected": n_eval - n} if n_eval > n else {}
+    results = [{"shard": None, "rejected": None, "rows_in": n_eval, "rows_out": n, "dropped": dropped}]
     results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
-             "report": store.url(store.stage_path(STAGE, fp, "report.md"))}
+             "report": store.url(store.stage_path(STAGE, fp, "report.md")), "evaluation": headline(stats)}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
 
 

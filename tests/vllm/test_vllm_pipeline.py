@@ -130,8 +130,8 @@ def _eval_prompts_and_greedy(cfg, summary, tiny_target):
     model, tokenizer = load_target(tiny_target.path, "float32", "cpu")
     manifest = json.loads((Path(_stage(summary, "curate")["path"]) / "manifest.json").read_text())
     curated = {"manifest": manifest, "fingerprint": manifest["fingerprint"]}
-    prompts = eval_prompts(Store(cfg.root), curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
-    prompts = prompts[: cfg.evaluate.num_prompts]
+    prompts = eval_prompts(Store(cfg.root), curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
+                           cfg.evaluate)  # evaluate.categories, then num_prompts round-robin over categories
     eos = eos_token_ids(model, tokenizer)
     return prompts, [greedy_generate(model, p, cfg.evaluate.max_new_tokens, eos) for p in prompts], sorted(eos)
 
