@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from draftflow.errors import ConfigError
 from draftflow.fields import BoolOrFraction, Device, Regex
+from draftflow.gate_config import GateConfig
 
 
 class Section(BaseModel):
@@ -245,6 +246,7 @@ class EvaluateConfig(Section):
     categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
     baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
     kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
+    gate: GateConfig = GateConfig()  # promotion thresholds, applied after the stage (in no fingerprint)
 
 
 class RunnerConfig(Section):
@@ -319,7 +321,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
 NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",
                      "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm",
-                     "extract.checkpoint_every", "extract.force", "extract.batch_size"}
+                     "extract.checkpoint_every", "extract.force", "extract.batch_size", "evaluate.gate"}
 # How training is spread over processes: the same global batch gives the same result up to float
 # summation order (ddp and fsdp alike), and a checkpoint resumes under any of them.
 NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoint", "train.launcher",

@@ -64,6 +64,9 @@ def preflight(cfg: RunConfig) -> TargetRef:
     check_engine(cfg, target)
     check_online(cfg)
     check_vllm(cfg, target)
+    from draftflow.gating import check_gate
+
+    check_gate(cfg)  # a named evaluate.gate.baseline exists
     return target
 
 
