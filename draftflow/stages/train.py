@@ -26,6 +26,7 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export_readme import portable_target_name, serve_command_for
+from draftflow.feature_stream import open_features
 from draftflow.stages.common import data_shards, finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
 from draftflow.target import TargetRef
@@ -42,10 +43,16 @@ EXPORT_FORMATS = ("vllm", "speculators")  # serving exports, under export/<forma
 
 
 def work_dir(store: Store, fp: str) -> str:
+    """Where training runs: in the stage folder on a local root, else under this node's cache directory."""
     if store.is_local:
         return store.stage_path(STAGE, fp, "work")
     key = hashlib.sha256(store.stage_path(STAGE, fp).encode()).hexdigest()[:16]
     return str(default_cache_dir() / "train-work" / key)
+
+
+def launch_url(store: Store, fp: str) -> str:
+    """A remote root's launch folder in the store: the spec every node's torchrun reads, results, errors."""
+    return store.url(store.stage_path(STAGE, fp, "work", "launch"))
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
@@ -76,9 +83,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
              "trained_tokens": tokens, "features": cfg.extract.mode,
              "export": exports, "serve": serve_lines(out, target.path, exports), "files": files}
     manifest = finalize(store, STAGE, fp, cfg, inputs, manifest_results, extra=extra)
-    # The stage is complete: its resume copies (checkpoints, work copies of the exports) are no longer needed.
-    if mirror and store.fs.exists(mirror):
-        store.fs.rm(mirror, recursive=True)
+    # The stage is complete: its resume copies (checkpoints, the launch folder) are no longer needed.
+    if mirror and store.fs.exists(store.stage_path(STAGE, fp, "work")):
+        store.fs.rm(store.stage_path(STAGE, fp, "work"), recursive=True)
     if not store.is_local:  # the local work folder of a remote root (finalize removed a local root's)
         shutil.rmtree(out, ignore_errors=True)
     return manifest
@@ -104,6 +111,9 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
     release_gpu_models()
     spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
             "features": features, "out_dir": out, "mirror": mirror}
+    if mirror:  # a remote root: nodes share the store only, so the launch folder is there; work folders are per node
+        fp = mirror.split("/")[-3]  # <root>/train/<fp>/work/checkpoints
+        spec |= {"exchange": launch_url(store, fp), "node_work": str(Path(out).relative_to(default_cache_dir()))}
     result = launch_training(spec, cfg.train, out)
     target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
     return Trained(result["metrics"], target_config, result["rows"], result["tokens"])
@@ -129,15 +139,15 @@ def release_gpu_models() -> None:
 
 
 def prefetch_inputs(store: Store, cfg: RunConfig, features: dict[str, Any]) -> None:
-    """Download (and checksum) every input shard of training into the local cache."""
+    """Download (and checksum) every input shard of training into the local cache; feature shards with
+    per-sample checksums are only opened (their indexes read): the ranks stream them (`draftflow.feature_stream`)."""
     m = features["manifest"]
     if m["extra"].get("mode") == "online":
         tok = m["extra"]["tokenize"]
         for s in tok["shards"]:
             store.verify_sha("tokenize", tok["fingerprint"], s)
     else:
-        for s in data_shards(m, "train"):
-            store.verify_sha("extract", features["fingerprint"], s)
+        open_features(store, "extract", features["fingerprint"], data_shards(m, "train"))
     if drafter_spec(cfg.drafter.kind).draft_vocab:
         token_counts(store, features)
 
