@@ -259,7 +259,7 @@ def evaluate_ddtree(
     eos_ids: set[int],
     round_features: RoundFn | None = None,
     reference: list[list[int]] | None = None,
-) -> dict[str, dict]:
+) -> dict[str, dict] | None:
     """τ per DDTree budget on the evaluation prompts, each decode checked lossless.
 
     Args:
@@ -271,7 +271,8 @@ def evaluate_ddtree(
 
     Returns:
         {str(budget): acceptance_stats + nodes (draft nodes verified per step), tokens, prompts},
-        budgets in ascending order; {} for a drafter that is not DFlash (see `supports`).
+        budgets in ascending order (str keys, as in report.json); None for a drafter that is not
+        DFlash (`supports`): EAGLE-3 drafts token by token and has no per-position distributions.
 
     Raises:
         LosslessError: a tree decode differs from greedy (prompt index and position).
@@ -279,7 +280,7 @@ def evaluate_ddtree(
     """
     if not supports(drafter):
         logger.info("DDTree budgets: skipped, DFlash drafters only")
-        return {}
+        return None
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
     refs = reference or [greedy_generate(target, p, ecfg.max_new_tokens, eos_ids) for p in chosen]
     drafts = drafter.config.block_size - 1
@@ -302,6 +303,11 @@ def evaluate_ddtree(
             stats["steps"],
         )
     return report
+
+
+def ddtree_taus(stats: dict[str, dict] | None) -> dict[str, float | None] | None:
+    """τ per budget (the evaluate manifest's `extra.ddtree`); None when DDTree was not run."""
+    return None if stats is None else {budget: s["tau"] for budget, s in stats.items()}
 
 
 def _fmt(value: float | None) -> str:
