@@ -196,6 +196,9 @@ def test_every_budget_is_lossless(request, target, prompts, which):
     for budget, s in stats.items():
         assert s["nodes"] == int(budget) * D and s["prompts"] == 4 and s["tokens"] == 4 * 12
         assert sum(s["accept_histogram"]) == s["steps"] and len(s["accept_histogram"]) == B + 1
+    if which == "untrained":  # a reference that is not greedy (another loop's) is re-judged, not trusted blindly
+        wrong = [[t + 1 for t in greedy_generate(target, p, 12, set())] for p in prompts[:4]]
+        assert evaluate_ddtree(target, drafter, prompts, [2], ecfg, set(), reference=wrong)["2"] == stats["2"]
     if which == "trained":  # the trained drafter accepts drafts at all; trees accept more
         assert stats["1"]["tau"] > 1.5 and stats["8"]["tau"] >= stats["1"]["tau"]
 

@@ -267,7 +267,8 @@ def evaluate_ddtree(
             `decode.evaluate_prompts`.
         budgets: DDTree budgets (>= 1; 1 = the plain block).
         reference: greedy outputs of those prompts when already known (the chain's checked
-            outputs); computed with `greedy_generate` when None.
+            outputs); a prompt whose tree decode differs from it (or all, when None) is judged
+            against `greedy_generate`, the uncached reference, instead.
 
     Returns:
         {str(budget): acceptance_stats + nodes (draft nodes verified per step), tokens, prompts},
@@ -282,7 +283,7 @@ def evaluate_ddtree(
         logger.info("DDTree budgets: skipped, DFlash drafters only")
         return None
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
-    refs = reference or [greedy_generate(target, p, ecfg.max_new_tokens, eos_ids) for p in chosen]
+    refs = list(reference or [None] * len(chosen))
     drafts = drafter.config.block_size - 1
     drafter.eval()
     report: dict[str, dict] = {}
@@ -290,6 +291,8 @@ def evaluate_ddtree(
         lengths, tokens = [], 0
         for i, prompt in enumerate(chosen):
             spec, acc = tree_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, budget, round_features)
+            if spec != refs[i]:  # none given, or from another (KV-cached) loop: judge by the uncached greedy
+                refs[i] = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
             check_lossless(i, spec, refs[i])
             lengths += acc
             tokens += len(spec)

@@ -25,6 +25,7 @@ from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
+from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, render_ddtree
 from draftflow.evaluation.suite import add_comparisons
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
@@ -114,6 +115,8 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
                   for fmt, r in stats["vllm"].items()]
     if "categories" in stats:  # categories, baselines, projected speedup and their plots
         lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
+    if "ddtree" in stats:
+        lines += render_ddtree(stats["ddtree"])
     return "\n".join(lines) + "\n"
 
 
@@ -151,6 +154,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     outputs = stats.pop("outputs")
+    # DFlash only (None otherwise): τ per DDTree budget, checked against the greedy outputs just verified.
+    stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
+                                      cfg.evaluate, eos, rounding, reference=outputs)
     if cfg.evaluate.engine == "vllm":
         stats["vllm"] = serve_exports(store, cfg, target, trained, prompts[: len(outputs)], outputs, stats["tau"],
                                       sorted(eos))
@@ -165,7 +171,8 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     results += [{"shard": e, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}} for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
-             "report": store.url(store.stage_path(STAGE, fp, "report.md")), "evaluation": headline(stats)}
+             "report": store.url(store.stage_path(STAGE, fp, "report.md")), "evaluation": headline(stats),
+             "ddtree": ddtree_taus(stats["ddtree"])}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
 
 
