@@ -1,8 +1,9 @@
 """The DFlash kind (arXiv 2602.06036): block drafting from injected tap features.
 
 Its spec wires `draftflow.models.dflash` (model and config), the block objective, the block
-proposer used by evaluate (`draft_block`), the vLLM and speculators exporters and the train
-cost model. Taps: `drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
+proposer used by evaluate (`draft_block`, and `CachedBlockProposer` with a KV cache of the
+context), the vLLM and speculators exporters and the train cost model. Taps:
+`drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
 """
 
 from __future__ import annotations

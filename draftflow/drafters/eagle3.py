@@ -1,6 +1,7 @@
 """The EAGLE-3 kind (arXiv 2503.01840): three fused taps, one layer, training-time-test unroll.
 
-Its spec wires `draftflow.models.eagle3` (model, config, chain drafting), the unroll objective,
+Its spec wires `draftflow.models.eagle3` (model, config, chain drafting; `CachedChainProposer` drafts
+the same chain from a KV cache of the target's rows), the unroll objective,
 the vLLM-native and speculators exporters and the train cost model. Feature shards also hold the
 target's final normed state (soft targets); training chooses a draft vocabulary from tokenize's counts.
 """
