@@ -173,3 +173,35 @@ def test_cached_proposers_give_the_uncached_drafters_logits(target, drafters, sa
             assert got[0] == want[0]
             torch.testing.assert_close(torch.stack(got[1]), torch.stack(want[1]), rtol=1e-5, atol=1e-5)
         done = n
+
+
+def test_sliding_window_target_rolls_back_past_its_window():
+    """A target with sliding-window layers (window 4, far shorter than the sequence): its cache keeps
+    every position, so cropping rejected drafts works there too, and decoding equals the reference."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=2,
+    )
+    target = Qwen3ForCausalLM(cfg).eval()
+    assert "sliding_attention" in cfg.layer_types
+    dcfg = DFlashConfig.from_target(
+        cfg, DrafterConfig(num_layers=1, block_size=B, num_taps=1, target_layer_ids=[1]), MASK_ID
+    )
+    drafter = DFlashDrafter(dcfg, target).eval()
+    p = list(range(3, 10))
+    assert cached.greedy_generate_cached(target, p, 16, set()) == decode.greedy_generate(target, p, 16, set())
+    got = cached.speculative_generate_cached(target, drafter, p, 16, set())
+    assert got == decode.speculative_generate(target, drafter, p, 16, set())
+    assert got[0] == decode.greedy_generate(target, p, 16, set())
