@@ -26,7 +26,7 @@ from draftflow.config import RunConfig
 from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
-from draftflow.feature_stream import local_source
+from draftflow.feature_stream import open_features
 from draftflow.features import STORED, FeatureSample, round_trip
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
@@ -135,7 +135,7 @@ def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFla
         return samples, samples.tokens
     shards = data_shards(m, "train")
     check_taps(dcfg, shards)
-    source = local_source([store.verify_sha("extract", features["fingerprint"], s) for s in shards])
+    source = open_features(store, "extract", features["fingerprint"], shards)  # streamed on remote roots
     return source, source.tokens  # read per step, by the ranks that train on them
 
 
