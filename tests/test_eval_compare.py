@@ -16,12 +16,13 @@ from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
-from draftflow.evaluation.decode import evaluate_prompts, greedy_generate
-from draftflow.evaluation.suite import add_comparisons, row_category, select, split_stats
+from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, speculative_generate
+from draftflow.evaluation.suite import add_comparisons, row_category, run_baselines, select, split_stats
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import B
 
 # ----------------------------------------------------------------------------- curation keeps categories
 
@@ -177,6 +178,15 @@ def test_baselines_decode_the_same_prompts_losslessly(measured, target):
     assert len(lookup_["accept_histogram"]) == len(stats["accept_histogram"])  # same block size
 
 
+def test_baselines_in_the_cached_loop_equal_the_reference_loop(measured, target):
+    stats, prompts = measured  # its baselines ran KV-cached (evaluate.kv_cache defaults to true)
+    bases = make_baselines(["no_draft", "prompt_lookup"], B - 1)
+    ref = run_baselines(
+        target, bases, prompts, stats["outputs"], 12, set(), ["rep", "rand", "rand"], speculative_generate
+    )
+    assert ref == stats["baselines"]
+
+
 def test_speedup_fields_exist_are_positive_and_follow_the_formula(measured):
     stats, _ = measured
     s = stats["speedup"]
@@ -205,6 +215,9 @@ def test_report_sections_plots_and_console_lines(measured, tmp_path):
     assert all((tmp_path / p).read_bytes().startswith(b"\x89PNG") for p in stats["plots"])
     text = markdown(stats, "DFlash")
     assert "| rep |" in text and "| prompt_lookup |" in text and speedup.FORMULA in text
+    for table in text.split("\n\n"):  # every markdown table: one column count for header, rule and rows
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table
     lines = console_lines(headline(stats))
     assert lines[0].startswith("tau per category: rand ") and "no_draft tau 1.000" in lines[1]
     assert lines[2].startswith("projected speedup x")

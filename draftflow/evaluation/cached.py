@@ -28,6 +28,7 @@ from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.drafters.spec import CachedProposer
 from draftflow.evaluation import decode
+from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
 
 
@@ -80,7 +81,9 @@ def speculative_generate_cached(
     Args and Returns: as `decode.speculative_generate`.
     """
     layer_ids = drafter.config.target_layer_ids
-    proposer = spec_for_architecture(drafter.config.architecture).cached_proposer(drafter)
+    # A baseline (draftflow.evaluation.baselines) keeps no drafting state: it is its own proposer.
+    proposer = (drafter if isinstance(drafter, Baseline)
+                else spec_for_architecture(drafter.config.architecture).cached_proposer(drafter))
     cache = new_cache()
     logits, new_feats = read_tokens(target, cache, list(prompt_ids), layer_ids, round_features)
     seq = list(prompt_ids)  # tokens the target has read (= positions in its cache after a step)

@@ -138,6 +138,6 @@ def speedups(costs: dict[str, Any], taus: dict[str, float | None]) -> dict[str, 
         "projected": per[first],
         "projected_per_proposer": per,
         "formula": FORMULA,
-        "measured": "median wall times of a few repetitions on the evaluation device, batch 1; "
+        "measured": "median wall times of a few repetitions on the evaluation device after a warm-up, batch 1; "
         "they vary with load and are not fingerprinted",
     }

@@ -5,23 +5,24 @@ Categories come from curation (`SourceConfig.category` / `category_field`, kept 
 (`evaluate.categories`, then `evaluate.num_prompts` taken round-robin over the categories so each
 keeps a share), `split_stats` cuts one run's per-step acceptance lengths by category, and
 `run_baselines` decodes the very same prompts with the training-free proposers of
-`draftflow.evaluation.baselines` through the reference loop, checked against the drafter's
-(lossless) outputs.
+`draftflow.evaluation.baselines` through the drafter's loop (KV-cached unless `evaluate.kv_cache`
+is false), checked against the drafter's (lossless) outputs.
 
-What it does not know: stores, manifests, report text. Trade-off: baselines use the uncached
-reference loop (`decode.speculative_generate`) whatever `evaluate.kv_cache` says; they cost about
-one greedy decode each, which is what the drafter's own lossless check already pays.
+What it does not know: stores, manifests, report text. Trade-off: each baseline costs about one
+greedy decode per prompt (no_draft exactly one), which is what the drafter's own lossless check
+already pays; the speedup timings add a few dozen forwards.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from draftflow.config import EvaluateConfig
 from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import Baseline, make_baselines
+from draftflow.evaluation.cached import speculative_generate_cached
 from draftflow.evaluation.decode import (
     RoundFn,
     acceptance_stats,
@@ -95,6 +96,7 @@ def run_baselines(
     max_new_tokens: int,
     eos_ids: set[int],
     categories: Sequence[str],
+    generate: Callable[..., tuple[list[int], list[int]]] = speculative_generate,
 ) -> dict[str, dict[str, Any]]:
     """Decode `prompts` with each baseline; per baseline the overall stats and its `categories` split.
 
@@ -102,6 +104,8 @@ def run_baselines(
         reference: the target's greedy output per prompt (the drafter's checked outputs): every
             baseline must reproduce it exactly.
         categories: per prompt, its category.
+        generate: the decoding loop (`decode.speculative_generate`, the reference, or the KV-cached
+            `cached.speculative_generate_cached`; both take a `Baseline` as their drafter).
 
     Raises:
         LosslessError: a baseline's output differs from `reference` (the loop would be wrong).
@@ -110,7 +114,7 @@ def run_baselines(
     for base in baselines:
         lengths, outputs = [], []
         for i, prompt in enumerate(prompts):
-            tokens, acc = speculative_generate(target, base, prompt, max_new_tokens, eos_ids)
+            tokens, acc = generate(target, base, prompt, max_new_tokens, eos_ids)
             check_lossless(i, tokens, reference[i])
             lengths.append(acc)
             outputs.append(tokens)
@@ -143,7 +147,8 @@ def add_comparisons(
     width = drafts_per_step(drafter) + 1
     stats["categories"] = split_stats(lengths, outputs, categories, width)
     bases = make_baselines(ecfg.baselines, width - 1)
-    stats["baselines"] = run_baselines(target, bases, prompts, outputs, ecfg.max_new_tokens, eos_ids, categories)
+    loop = speculative_generate_cached if ecfg.kv_cache else speculative_generate  # the drafter's loop
+    stats["baselines"] = run_baselines(target, bases, prompts, outputs, ecfg.max_new_tokens, eos_ids, categories, loop)
     if not outputs:
         return
     context = prompts[0] + outputs[0]  # the first prompt and its answer: a typical decoding position

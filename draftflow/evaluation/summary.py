@@ -34,7 +34,7 @@ def category_table(stats: dict[str, Any]) -> list[str]:
         "## Per category (same prompts for every proposer)",
         "",
         head + "steps accepting ≥ k drafts | steps by accepted length 1, 2, … |",
-        "|" + "---|" * (6 + len(base)),
+        "|" + "---|" * (7 + len(base)),
     ]
     rows = dict(stats.get("categories") or {}) | {"**all**": stats}
     for name, c in rows.items():
@@ -82,7 +82,8 @@ def speedup_lines(speed: dict[str, Any] | None) -> list[str]:
         f"t_step {ms(speed['target_step_s'])} (target, 1 new token), t_verify {ms(speed['verify_step_s'])} "
         f"(target, {speed['positions_verified']} positions), t_draft {ms(speed['drafter_step_s'])} (drafter)",
         f"- measured on {speed['device']} at {speed['context_tokens']} context tokens, KV-cached target, "
-        f"median of {speed['repeats']} repetitions: {speed['measured']}",
+        f"median of {speed['repeats']} repetitions after a warm-up, batch 1: measurements, they vary with load "
+        "and are not fingerprinted",
     ]
 
 
