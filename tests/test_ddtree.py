@@ -29,6 +29,7 @@ from draftflow.evaluation.ddtree import (
     verify_tree,
 )
 from draftflow.evaluation.decode import capture_taps, greedy_generate, speculative_generate
+from draftflow.evaluation.summary import console_lines, headline
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
@@ -278,3 +279,8 @@ def test_report_section_lists_every_budget():
     assert "arXiv 2604.12989" in text
     assert ddtree_taus(stats) == {"1": 2.0, "4": 3.0}
     assert "No budgets" in "\n".join(render_ddtree({}))
+    stats["16"] = {"tau": 3.5, "nodes": 112, "steps": 5}  # what `draftflow run` prints, budgets in numeric order
+    assert console_lines(headline({"ddtree": stats})) == [
+        "DDTree tau per budget (x block drafts): 1 2.000, 4 3.000, 16 3.500"
+    ]
+    assert console_lines(headline({"ddtree": None})) == []

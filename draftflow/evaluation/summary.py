@@ -146,6 +146,7 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
         "tau_per_category": {c: s["tau"] for c, s in (stats.get("categories") or {}).items()},
         "baselines": {n: b["tau"] for n, b in (stats.get("baselines") or {}).items()},
         "speedup": {k: speed.get(k) for k in ("projected", "formula", "device")} if speed else None,
+        "ddtree": {b: s["tau"] for b, s in (stats.get("ddtree") or {}).items()},  # DFlash: τ per DDTree budget
     }
 
 
@@ -161,4 +162,7 @@ def console_lines(head: dict[str, Any] | None) -> list[str]:
     if head.get("speedup"):
         s = head["speedup"]
         lines.append(f"projected speedup x{_f(s['projected'], '.2f')} ({s['formula']}; measured on {s['device']})")
+    if head.get("ddtree"):  # budget b verifies b x (B-1) draft nodes; 1 = the plain block
+        budgets = sorted(head["ddtree"].items(), key=lambda kv: int(kv[0]))
+        lines.append("DDTree tau per budget (x block drafts): " + ", ".join(f"{b} {_f(t)}" for b, t in budgets))
     return lines
