@@ -11,13 +11,14 @@ import json
 import pytest
 import torch
 
-from draftflow.config import EvaluateConfig, SourceConfig, load_config
+from draftflow.config import CurateConfig, EvaluateConfig, SourceConfig, load_config
 from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
 from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, speculative_generate
-from draftflow.evaluation.suite import add_comparisons, row_category, run_baselines, select, split_stats
+from draftflow.evaluation.selection import check_categories, row_category, select
+from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.stages import curate
@@ -115,6 +116,21 @@ def test_select_interleaves_categories_and_an_unknown_category_is_one_line():
         select(cats, ["chat", "maths"], None)
     text = str(err.value)
     assert "\n" not in text and "'maths'" in text and "chat, code, math" in text
+
+
+def test_preflight_rules_out_a_category_that_no_source_gives():
+    sources = [
+        SourceConfig(name="a", path="x", category="chat"),
+        SourceConfig(name="b", path="y"),
+        SourceConfig(name="t", path="z", category="math", split="train"),
+    ]  # train-only: no eval prompt
+    check_categories(CurateConfig(sources=sources), EvaluateConfig(categories=["chat", "b"]))
+    with pytest.raises(
+        ConfigError, match=r"'math', which no curate source with eval prompts gives \(categories: b, chat\)"
+    ):
+        check_categories(CurateConfig(sources=sources), EvaluateConfig(categories=["math"]))
+    sources.append(SourceConfig(name="c", path="w", category_field="kind"))  # could give any name: the stage checks
+    check_categories(CurateConfig(sources=sources), EvaluateConfig(categories=["math"]))
 
 
 def test_per_category_stats_add_up_to_the_whole():

@@ -1,9 +1,9 @@
 """Prompt categories and baselines: which eval prompts are decoded, and the statistics per category and per proposer.
 
 Categories come from curation (`SourceConfig.category` / `category_field`, kept in curate's
-`category` column); a row without one counts under its source's name. `select` picks the prompts
-(`evaluate.categories`, then `evaluate.num_prompts` taken round-robin over the categories so each
-keeps a share), `split_stats` cuts one run's per-step acceptance lengths by category, and
+`category` column); a row without one counts under its source's name. `selection.select` picks
+the prompts (`evaluate.categories`, then `evaluate.num_prompts` taken round-robin over the
+categories so each keeps a share), `split_stats` cuts one run's per-step acceptance lengths by category, and
 `run_baselines` decodes the very same prompts with the training-free proposers of
 `draftflow.evaluation.baselines` through the drafter's loop (KV-cached unless `evaluate.kv_cache`
 is false), checked against the drafter's (lossless) outputs.
@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from draftflow.config import EvaluateConfig
-from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import Baseline, make_baselines
 from draftflow.evaluation.cached import speculative_generate_cached
@@ -32,36 +31,9 @@ from draftflow.evaluation.decode import (
     propose,
     speculative_generate,
 )
+from draftflow.evaluation.selection import row_category, select
 
-
-def row_category(row: dict[str, Any]) -> str:
-    """A curated row's category: its `category` column, else its source's name."""
-    return row.get("category") or row["source"]
-
-
-def select(categories: Sequence[str], wanted: list[str] | None, limit: int | None) -> list[int]:
-    """Indices of the prompts to decode: those of the `wanted` categories (all when None), interleaved
-    category by category (in `wanted`'s order, else by name) and cut at `limit`.
-
-    One category gives the eval order unchanged; several keep a near-equal share each under `limit`.
-
-    Raises:
-        ConfigError: a wanted category that no eval prompt has (one line naming the known ones).
-    """
-    known = sorted(set(categories))
-    for name in wanted or []:
-        if name not in known:
-            raise ConfigError(
-                f"evaluate.categories names {name!r}, which no eval prompt has (categories: "
-                f"{', '.join(known)}); fix the name, or set category / category_field on the "
-                "curate source that holds those prompts"
-            )
-    order = list(dict.fromkeys(wanted)) if wanted else known
-    queues = [[i for i, c in enumerate(categories) if c == name] for name in order]
-    picked: list[int] = []
-    for depth in range(max((len(q) for q in queues), default=0)):
-        picked += [q[depth] for q in queues if depth < len(q)]
-    return picked[:limit] if limit else picked
+__all__ = ["add_comparisons", "row_category", "run_baselines", "select", "split_stats", "with_counts"]
 
 
 def with_counts(lengths: list[list[int]], outputs: list[list[int]], width: int) -> dict[str, Any]:

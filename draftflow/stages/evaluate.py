@@ -67,7 +67,7 @@ def eval_set(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
     Raises:
         ConfigError: no eval split, or a category in `evaluate.categories` that no eval prompt has.
     """
-    from draftflow.evaluation.suite import row_category, select
+    from draftflow.evaluation.selection import row_category, select
 
     rows = eval_rows(store, curated)
     cats = [row_category(r) for r in rows]
