@@ -15,6 +15,7 @@ from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig, load_co
 from draftflow.drafters import dflash as dflash_kind
 from draftflow.errors import ConfigError
 from draftflow.evaluation.ddtree import (
+    PLOT,
     ROOT,
     DraftTree,
     accept_path,
@@ -22,6 +23,7 @@ from draftflow.evaluation.ddtree import (
     build_tree,
     ddtree_taus,
     evaluate_ddtree,
+    plot_ddtree,
     render_ddtree,
     supports,
     tree_generate,
@@ -272,7 +274,7 @@ def test_eagle3_drafters_are_skipped(target, prompts):
     assert any("DFlash only" in line for line in render_ddtree(None))
 
 
-def test_report_section_lists_every_budget():
+def test_report_section_lists_every_budget(tmp_path):
     stats = {"1": {"tau": 2.0, "nodes": 7, "steps": 10}, "4": {"tau": 3.0, "nodes": 28, "steps": 7}}
     text = "\n".join(render_ddtree(stats))
     assert "| 1 | 7 | 2.000 | 1.00x | 10 |" in text and "| 4 | 28 | 3.000 | 1.50x | 7 |" in text
@@ -284,3 +286,8 @@ def test_report_section_lists_every_budget():
         "DDTree tau per budget (x block drafts): 1 2.000, 4 3.000, 16 3.500"
     ]
     assert console_lines(headline({"ddtree": None})) == []
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    assert plot_ddtree(stats, tmp_path / "a") == plot_ddtree(stats, tmp_path / "b") == [PLOT]
+    png = (tmp_path / "a" / PLOT).read_bytes()
+    assert png.startswith(b"\x89PNG") and png == (tmp_path / "b" / PLOT).read_bytes()  # same bytes every run
+    assert plot_ddtree(None, tmp_path) == [] and plot_ddtree({}, tmp_path) == []

@@ -25,7 +25,7 @@ from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
-from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, render_ddtree
+from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
 from draftflow.evaluation.suite import add_comparisons
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
@@ -124,7 +124,7 @@ def write_plots(store: Store, fp: str, stats: dict[str, Any]) -> list[dict[str, 
     """Draw the evaluation plots beside report.md; their shard entries (`stats['plots']` names them)."""
     entries = []
     with tempfile.TemporaryDirectory(prefix="draftflow-plots-") as folder:
-        stats["plots"] = draw_plots(stats, folder)
+        stats["plots"] = draw_plots(stats, folder) + plot_ddtree(stats.get("ddtree"), folder)
         for name in stats["plots"]:
             with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
                 Path(tmp).write_bytes((Path(folder) / name).read_bytes())
