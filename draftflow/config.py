@@ -243,9 +243,7 @@ class EvaluateConfig(Section):
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
     vllm_tau_tolerance: float = Field(
         0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
-    ddtree_budgets: list[Annotated[int, Field(ge=1)]] = Field(
-        default_factory=lambda: [1, 4, 8, 16, 32], description="DFlash only: DDTree budgets to decode with; budget b "
-        "verifies b x (block_size - 1) draft nodes per step, 1 = the plain block; [] = none")
+    ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
     categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
     baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
     kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")

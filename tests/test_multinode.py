@@ -11,8 +11,8 @@ resumes on both nodes from the store to the same final weights.
 No fixed port and no sleeps: node B hosts the rendezvous on a port chosen free just before and is
 started again on another one if that port was taken meanwhile; the kill waits for the checkpoint
 to appear in the bucket, and node B's rank blocks at step 3 (tests/multinode_node.py) so the run
-cannot finish first. Slow (~1-2 min on 2 cores): three two-node launches, each node a fresh
-interpreter that imports torch and transformers.
+cannot finish first. Slow (2-3 min on 2 shared cores, each test under 2 min): three two-node launches,
+each node a fresh interpreter that imports torch and transformers.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def test_two_nodes_sharing_only_s3_equal_one_node(cluster, tiny_target, caplog):
         assert store.fs.cat_file(store.stage_path("train", "fp-two", name)) == store.fs.cat_file(
             store.stage_path("train", "fp-one", name)
         )
-    assert any((node_b.cache / "store").rglob("*")), "node B read the features from S3 into its own cache"
+    read = [f for f in node_b.cache.rglob("*") if f.is_file() and "train-work" not in f.parts]
+    assert read, "node B read its features from S3 into its own cache (whole shards or ranges, either way)"
     assert not store.fs.exists(store.stage_path("train", "fp-two", "work"))  # launch folder and checkpoints gone
 
 

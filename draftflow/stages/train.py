@@ -111,7 +111,7 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
     release_gpu_models()
     spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
             "features": features, "out_dir": out, "mirror": mirror}
-    if mirror:  # a remote root: nodes share the store only, so the launch folder is there; work folders are per node
+    if mirror and cfg.train.nnodes > 1:  # nodes share only the store: the launch folder is there, work folders not
         fp = mirror.split("/")[-3]  # <root>/train/<fp>/work/checkpoints
         spec |= {"exchange": launch_url(store, fp), "node_work": str(Path(out).relative_to(default_cache_dir()))}
     result = launch_training(spec, cfg.train, out)

@@ -288,9 +288,9 @@ def _run_rank(spec: dict[str, Any] | None, exchange: Exchange, rank: int) -> Non
                           "the command it logs on the others")
     cfg = _bind_device(RunConfig.model_validate(spec["config"]))
     store = Store(cfg.root)
-    # A remote root: this node's own work folder, aligned with the checkpoints copied to the store.
-    out = str(default_cache_dir() / spec["node_work"]) if spec.get("node_work") else spec["out_dir"]
-    if spec.get("mirror"):
+    out = spec["out_dir"]
+    if spec.get("node_work"):  # several nodes on a remote root: this node's own work folder, aligned with the store
+        out = str(default_cache_dir() / spec["node_work"])
         _align_checkpoints(store, cfg, spec["mirror"], out)
     trained = train_here(store, cfg, _node_target(cfg, spec["target"]), spec["features"], out, spec.get("mirror"))
     if rank == 0:
