@@ -61,6 +61,10 @@ SLOW = [
     "tests/test_cli.py::test_status_of_a_config_before_any_run_lists_every_stage",
     "tests/test_cli.py::test_plan_lists_every_stage",
     "tests/test_cli.py::test_layer_id_out_of_range_is_a_config_error",
+    # KV-cached decoding with trained drafters (~4 s to train both kinds; the untrained cases stay fast)
+    "tests/test_evaluate_cached.py::test_cached_equals_uncached_tokens_and_steps[[]*-trained]",
+    "tests/test_evaluate_cached.py::test_eos_and_max_new_tokens_inside_a_block*",
+    "tests/test_evaluate_cached.py::test_evaluate_prompts_same_report_with_and_without_cache",
 ]
 # Whatever needs these fixtures is slow too, listed or not: the fast tier never starts Prefect's harness or Ray.
 SLOW_FIXTURES = {"prefect_harness", "ray_instance"}
