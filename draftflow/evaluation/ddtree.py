@@ -8,11 +8,12 @@ Under the factorized surrogate, a root-to-node path t_1..t_d has probability pro
 the expected acceptance length of a tree is the sum of its nodes' path probabilities; since a
 path's probability never exceeds its parent's, taking nodes best-first from a heap gives an
 ancestor-closed tree that maximizes that sum under a node budget. Children of a node at depth
-d are tokens of slot d+1, in descending q_{d+1}; the heap holds for each tree node only its
-best child not yet taken, and popping a node pushes its next sibling and its first child
-(the lazy top-k frontier of EAGLE-2's dynamic tree, arXiv 2406.16858, and Sequoia, arXiv
-2402.12374, here without a drafter pass per depth). I could read the paper's abstract and
-project page, not its section text: the budget bookkeeping below is this module's own.
+d are tokens of slot d+1, in descending q_{d+1}; the heap holds, per tree node, its likeliest
+child not yet taken, and taking a node pushes its next sibling and its own first child.
+Background: EAGLE-2 (arXiv 2406.16858) also ranks draft-tree nodes by path confidence and
+Sequoia (arXiv 2402.12374) sizes a tree for a budget; both need a drafter pass per depth,
+DDTree none. Sources read: the paper's abstract and project page and descriptions of peer
+ports (vLLM, SGLang, lucebox), not the paper's section text; the budget unit below is ours.
 
 Budget (this module's definition, so that 1 is the plain block): budget b verifies
 `b * (B-1)` draft nodes, b times the plain block's verify width. The tree is seeded with the
@@ -34,7 +35,7 @@ then takes the target's token at the last node (the bonus). Greedy only (tempera
 
 What it does not know: KV caches (it re-runs the whole prefix every step, like `decode`),
 EAGLE-3 (it drafts a chain token by token; `supports` says no), stores or reports beyond
-the markdown lines of `render_ddtree`.
+the markdown lines of `render_ddtree` and the PNG of `plot_ddtree`.
 
 Key trade-off: the tree is built on the CPU with a Python heap (O(N log N) per step, N nodes)
 and verified uncached: simple and exact against the chain; serving code would batch both.
