@@ -14,6 +14,7 @@ from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig
 from draftflow.drafters.dflash import _block, draft_block
 from draftflow.drafters.registry import spec_for_architecture
+from draftflow.errors import LosslessError
 from draftflow.evaluation import cached, decode
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL
@@ -217,3 +218,11 @@ def test_sliding_window_target_rolls_back_past_its_window():
     got = cached.speculative_generate_cached(target, drafter, p, 16, set())
     assert got == decode.speculative_generate(target, drafter, p, 16, set())
     assert got[0] == decode.greedy_generate(target, p, 16, set())
+
+
+def test_a_wrong_acceptance_rule_is_caught_in_the_cached_loop(monkeypatch, target, untrained, prompts):
+    """The cached loop accepts by decode's one rule, and its lossless check catches a wrong one."""
+    real = decode._accept
+    monkeypatch.setattr(decode, "_accept", lambda d, t: min(real(d, t) + 1, len(d)))  # one too many
+    with pytest.raises(LosslessError, match=r"prompt 0: .* position \d+"):
+        cached.evaluate_prompts(target, untrained["dflash"], prompts, EvaluateConfig(max_new_tokens=8), set())
