@@ -179,8 +179,11 @@ def resolve(arg: str) -> list[Evaluation]:
     Raises:
         NoEvaluation: `arg` is none of these (one line naming it and what to pass).
     """
+    import os
+
     import fsspec
 
+    arg = arg if "://" in arg else os.path.abspath(arg)  # labels and folders of relative paths read whole
     fs, base = fsspec.core.url_to_fs(arg)
     base = base.rstrip("/")
     if base.endswith(".json") and fs.isfile(base):

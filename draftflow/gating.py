@@ -19,6 +19,7 @@ what was measured, not what was shipped.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -49,6 +50,11 @@ def named_baseline(store: Store, gate: GateConfig) -> Evaluation:
     found = load(store, name) if FINGERPRINT.match(name or "") else None
     if found is not None and found.manifest is not None:
         found.eval_set = eval_set_key(store, found.manifest)
+    if found is None and FINGERPRINT.match(name or "") and not os.path.exists(name):
+        raise GateError(
+            f"evaluate.gate.baseline={name}: no evaluation {name} under {store.url(store.path(STAGE))}; "
+            "name an evaluate fingerprint of this root, an evaluate folder or a report.json"
+        )
     if found is None:
         try:
             evs = resolve(name)

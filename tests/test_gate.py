@@ -151,7 +151,7 @@ def test_a_named_baseline_is_used_and_a_missing_or_incomparable_one_is_one_line(
             == 2.5
         )
     for name, match in (
-        ("9" * 16, "no evaluation at 9999999999999999"),
+        ("9" * 16, "no evaluation 9999999999999999 under .*evaluate; name an evaluate fingerprint"),
         (str(tmp_path / "nowhere"), "no evaluation at .*nowhere"),
         (str(tmp_path), "holds 4 evaluations; name one"),
         (other["fingerprint"], "measured another target"),

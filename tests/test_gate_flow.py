@@ -92,3 +92,13 @@ def test_max_regression_compares_with_an_earlier_run_in_the_same_root(finished):
     assert verdict["baseline"]["path"] == str(evaluate) and verdict["baseline"]["tau"] == summary["tau"]
     assert check["name"] == "max_regression" and check["value"] == pytest.approx(1 - tau / summary["tau"])
     assert state.is_failed() == (check["value"] > 0) == (not verdict["promoted"])
+
+    from draftflow.compare import compare  # the same real root, compared: both evaluations, their τ and verdicts
+
+    lines = compare([str(root)]).splitlines()
+    assert [line.split()[1] for line in lines[:2]] == [f"run/{evaluate.name}", f"run/{newer[0].name}"]
+    taus = next(line for line in lines if line.startswith("tau ")).split()[1:]
+    assert taus == [f"{summary['tau']:.3f}", f"{tau:.3f}"]
+    assert next(line for line in lines if line.startswith("gate ")).split()[-1] == (
+        "promoted" if verdict["promoted"] else "failed"
+    )
