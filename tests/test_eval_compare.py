@@ -190,6 +190,9 @@ def test_baselines_decode_the_same_prompts_losslessly(measured, target):
         assert b["prompts"] == stats["prompts"] == len(prompts) and b["tokens"] == stats["tokens"]
         assert set(b["categories"]) == set(stats["categories"]) == {"rep", "rand"}
     assert no_draft["tau"] == 1.0 and no_draft["steps"] == stats["tokens"] - len(prompts)
+    for run in (stats, no_draft, lookup_):  # the categories of a real run add up to it
+        for key in ("steps", "tokens", "prompts"):
+            assert sum(c[key] for c in run["categories"].values()) == run[key], key
     assert lookup_["categories"]["rep"]["tau"] > 1.0  # the repetitive prompt's continuation is copied
     assert len(lookup_["accept_histogram"]) == len(stats["accept_histogram"])  # same block size
 
