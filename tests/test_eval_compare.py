@@ -17,7 +17,7 @@ from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
 from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, speculative_generate
-from draftflow.evaluation.selection import check_categories, row_category, select
+from draftflow.evaluation.selection import check_categories, prompt_set, row_category, select
 from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.models.dflash import DFlashDrafter
@@ -240,3 +240,27 @@ def test_report_sections_plots_and_console_lines(measured, tmp_path):
     lines = console_lines(headline(stats))
     assert lines[0].startswith("tau per category: rand ") and "no_draft tau 1.000" in lines[1]
     assert lines[2].startswith("projected speedup x")
+
+
+def test_the_stage_reads_the_selected_prompts_with_their_categories_and_ids(tmp_path, tiny_target):
+    from draftflow.chat import ChatFormat
+    from draftflow.stages.evaluate import eval_set
+    from draftflow.target import load_target
+
+    (chat, plain), mixed = _sources(tmp_path)
+    (tmp_path / "plain.jsonl").write_text(
+        "".join(json.dumps({"prompt": f"Plain question {i}"}) + "\n" for i in range(10))
+    )
+    m, rows = _curate(tmp_path / "r", [chat, plain, mixed])
+    _, tokenizer = load_target(tiny_target.path, "float32", "cpu")
+    curated = {"manifest": m, "fingerprint": "fp"}
+    ecfg = EvaluateConfig(categories=["math", "code"], num_prompts=5)
+    prompts, cats, n_eval, ids = eval_set(Store(str(tmp_path / "r")), curated, ChatFormat(tokenizer), False, ecfg)
+    assert cats == ["math", "code", "math", "code", "math"] and n_eval == len(rows["eval"])
+    by_id = {r["sample_id"]: r for r in rows["eval"]}
+    assert [by_id[i]["category"] for i in ids] == cats and len(prompts) == 5
+    assert prompt_set(ids) == prompt_set(list(ids)) != prompt_set(ids[::-1])
+    with pytest.raises(ConfigError, match="'poetry', which no eval prompt has"):
+        eval_set(
+            Store(str(tmp_path / "r")), curated, ChatFormat(tokenizer), False, EvaluateConfig(categories=["poetry"])
+        )

@@ -9,6 +9,8 @@ could give (a `category_field` source could give any name), so `select` checks a
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,3 +67,13 @@ def select(categories: Sequence[str], wanted: list[str] | None, limit: int | Non
     for depth in range(max((len(q) for q in queues), default=0)):
         picked += [q[depth] for q in queues if depth < len(q)]
     return picked[:limit] if limit else picked
+
+
+def prompt_set(sample_ids: Sequence[str]) -> dict[str, Any]:
+    """What identifies the prompts decoded: their count and the sha256 of their sample ids in order.
+
+    Two evaluations (e.g. a DFlash and an EAGLE-3 run, read side by side by `draftflow compare`)
+    measured identical prompts exactly when these are equal.
+    """
+    body = json.dumps(list(sample_ids), separators=(",", ":")).encode()
+    return {"prompts": len(sample_ids), "sample_ids_sha256": hashlib.sha256(body).hexdigest()}

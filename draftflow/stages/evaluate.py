@@ -26,6 +26,7 @@ from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
+from draftflow.evaluation.selection import prompt_set
 from draftflow.evaluation.suite import add_comparisons
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
@@ -60,9 +61,10 @@ def eval_rows(store: Store, curated: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def eval_set(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
-             ecfg: EvaluateConfig | None = None) -> tuple[list[list[int]], list[str], int]:
-    """(prompt ids, their categories, eval rows in all): the prompts `ecfg` selects (`evaluate.categories`,
-    then `num_prompts` round-robin over categories: `draftflow.evaluation.suite.select`); all without `ecfg`.
+             ecfg: EvaluateConfig | None = None) -> tuple[list[list[int]], list[str], int, list[str]]:
+    """(prompt ids, their categories, eval rows in all, their sample ids): the prompts `ecfg` selects
+    (`evaluate.categories`, then `num_prompts` round-robin over categories: `draftflow.evaluation.selection.select`);
+    all without `ecfg`.
 
     Raises:
         ConfigError: no eval split, or a category in `evaluate.categories` that no eval prompt has.
@@ -74,7 +76,7 @@ def eval_set(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
     chosen = select(cats, ecfg.categories, ecfg.num_prompts) if ecfg else list(range(len(rows)))
     prompts = [chat.prompt_ids(first_prompt(rows[i]["messages"]), **template_kwargs(rows[i], enable_thinking))
                for i in chosen]
-    return prompts, [cats[i] for i in chosen], len(rows)
+    return prompts, [cats[i] for i in chosen], len(rows), [rows[i]["sample_id"] for i in chosen]
 
 
 def eval_prompts(store: Store, curated: dict[str, Any], chat, enable_thinking: bool,
@@ -143,8 +145,8 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
-    prompts, categories, n_eval = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
-                                           cfg.evaluate)
+    prompts, categories, n_eval, ids = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
+                                                cfg.evaluate)
     drafter = load_drafter(store, trained, model)
     # Draft from features rounded like the stored ones the drafter was trained on.
     n_taps = len(drafter.config.target_layer_ids)
@@ -153,6 +155,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
+    stats["prompt_set"] = prompt_set(ids[: stats["prompts"]])  # which prompts: runs compare only on equal sets
     outputs = stats.pop("outputs")
     # DFlash only (None otherwise): τ per DDTree budget, checked against the greedy outputs just verified.
     stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
