@@ -5,8 +5,8 @@ still accepts tokens on repetitive text, where a token often equals its neighbou
 tau can look plausible and even beat an untrained drafter. This check separates it from a
 correct one on the same data: run the drafter on teacher-forced blocks (the training layout,
 `draftflow.training.batches.make_block_batch`) at every anchor of known sequences, and count,
-only at positions whose token differs from both neighbours, how often slot k's greedy draft
-equals the token at a+k-1, a+k and a+k+1. A correctly trained drafter matches offset 0 most;
+only at positions where the tokens at a+k-1, a+k and a+k+1 all differ, how often slot k's
+greedy draft equals each of them. A correctly trained drafter matches offset 0 most;
 one trained on shifted labels matches offset +1 most.
 
 What it does not know: where the sequences come from (the target's own greedy continuations
@@ -50,8 +50,8 @@ def slot_alignment(
     Returns:
         {"positions": n, "match": {offset: rate}, "offset": the offset with the highest rate, or
         None when none is strictly highest (no qualifying position, or a tie)}. A position
-        qualifies when its token differs from both neighbours, so offset 0 cannot agree with
-        either neighbour there.
+        qualifies when its token and its two neighbours all differ, so no two offsets can
+        agree there.
     """
     B, hits, n = drafter.config.block_size, dict.fromkeys(OFFSETS, 0), 0
     device = drafter.fc.weight.device
@@ -77,7 +77,8 @@ def slot_alignment(
             slot = torch.arange(pos.numel()) % B
             ok = (slot >= 1) & (pos + 1 < T)
             p = pos[ok]
-            distinct = (tok[p] != tok[p - 1]) & (tok[p] != tok[p + 1])
+            # a-b-a text would let offsets -1 and +1 agree: all three tokens must differ
+            distinct = (tok[p] != tok[p - 1]) & (tok[p] != tok[p + 1]) & (tok[p - 1] != tok[p + 1])
             p, d = p[distinct], draft[ok][distinct]
             n += p.numel()
             for off in OFFSETS:
