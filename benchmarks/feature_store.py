@@ -1,11 +1,20 @@
 """Feature-store throughput against raw sequential I/O of the same bytes on the same disk, same run.
 
 Writes >= 2 GB of synthetic bf16 features as feature shards (`write_feature_shard`) and reads
-them back the way the trainer does: through `FeatureSource.take`, one step's samples at a time,
-in the order of `step_indices` (a seeded shuffle of every sample, cut in batches), every
-tensor materialized. Next to it, a raw sequential write and read of the same number of bytes
-in 8 MiB blocks. Prints MB/s and the ratio store/raw for both (target >= 0.8), per repeat
-(store and raw interleaved, so load from other users hits both alike) and the median.
+them back the way the training loop does: through `FeatureSource.take`, one step's samples at a
+time, in the order of `step_indices` (a seeded shuffle of every sample, cut in batches), the next
+step's samples read by the prefetch thread meanwhile. A pread delivers every byte into memory, so
+nothing is touched again (a sum over the features would time the CPU, not the store). `--verify`
+adds a read that checks every sample against its sha256 in the index, as training does on v3
+shards (CPU-bound where hashing is slower than the disk).
+
+Baselines, same run: raw write = the same number of bytes written in 8 MiB blocks to a new file;
+raw read = the shard files themselves read front to back in 8 MiB blocks (the same blocks on disk,
+so only the access pattern differs; a separate file read faster or slower than the shards on this
+VM's disk, by up to 4x either way). Prints MB/s and the ratio store/raw for both (target >= 0.8),
+per repeat (store and raw interleaved, so load from other users hits both alike; who reads first
+alternates, because on this VM a read right after another of the same bytes can be served by the
+host's cache, which the guest cannot evict) and the median.
 
 Reads are cold by default, and the output says how: `drop_caches` (root with a writable
 /proc/sys/vm/drop_caches), else `fadvise` (posix_fadvise DONTNEED of every file after fsync,
@@ -35,8 +44,8 @@ from pathlib import Path
 import torch
 
 from draftflow.config import TrainConfig
-from draftflow.feature_stream import local_source
-from draftflow.features import FeatureSample, write_feature_shard
+from draftflow.feature_stream import FeatureSource
+from draftflow.features import FeatureSample, FeatureShard, write_feature_shard
 from draftflow.training.batches import step_indices
 
 BLOCK = 8 << 20
@@ -110,14 +119,20 @@ def store_write(folder: Path, shards: int, samples: list[FeatureSample]) -> tupl
     return time.perf_counter() - t0, paths
 
 
-def store_read(paths: list[Path]) -> float:
-    """Seconds to read every sample as the trainer does: one step's batch at a time, shuffled."""
+def store_read(paths: list[Path], verify: bool = False) -> float:
+    """Seconds to read every sample as the training loop does: one step's batch at a time, shuffled,
+    the next step's read by the prefetch thread meanwhile; with `verify`, each sample checked against
+    its sha256 in the index (what training does on format v3 shards)."""
     t0 = time.perf_counter()
-    source = local_source([str(p) for p in paths])
+    shards = [FeatureShard(p) for p in paths]
+    source = FeatureSource(shards, [verify] * len(shards))
     tcfg = TrainConfig(batch_size=TRAIN_BATCH, seed=0)
-    for step in range(-(-len(source) // TRAIN_BATCH)):
-        for s in source.take(step_indices(step, len(source), tcfg, source.lengths)):
-            s.hidden.sum(), s.input_ids.sum(), s.loss_mask.sum()  # touch every tensor
+    steps = -(-len(source) // TRAIN_BATCH)
+    for step in range(steps):
+        batch = source.take(step_indices(step, len(source), tcfg, source.lengths))
+        if step + 1 < steps:
+            source.prefetch(step_indices(step + 1, len(source), tcfg, source.lengths))
+        assert sum(s.hidden.numel() for s in batch) > 0  # the bytes are in memory: pread copied them there
     return time.perf_counter() - t0
 
 
@@ -131,12 +146,14 @@ def raw_write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def raw_read(path: Path) -> float:
-    buf = bytearray(BLOCK)
+def raw_read(paths: list[Path], block: int = BLOCK) -> float:
+    """Seconds to read the files front to back in `block`s: the disk's sequential speed on these bytes."""
+    buf = bytearray(block)
     t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as fh:
-        while fh.readinto(buf):
-            pass
+    for path in paths:
+        with open(path, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
     return time.perf_counter() - t0
 
 
@@ -158,13 +175,19 @@ def bench_store(args) -> None:
         print(f"write: store {mb / sw:8.0f} MB/s   raw {mb / rw:8.0f} MB/s   ratio {rw / sw:.2f}")
         ratios = []
         for r in range(args.repeats or 2):
-            how = evict(paths, args.warm)
-            sr = store_read(paths)
-            how_raw = evict([folder / "raw.bin"], args.warm)
-            rr = raw_read(folder / "raw.bin")
+            sides = {"store": lambda: store_read(paths), "raw": lambda: raw_read(paths, args.raw_block_mb << 20)}
+            secs, how = {}, {}
+            for side in (("store", "raw") if r % 2 == 0 else ("raw", "store")):  # alternate who reads first
+                how[side] = evict(paths, args.warm)
+                secs[side] = sides[side]()
+            sr, rr = secs["store"], secs["raw"]
             ratios.append(rr / sr)
             print(f"read {r}: store {mb / sr:8.0f} MB/s   raw {mb / rr:8.0f} MB/s   ratio {rr / sr:.2f}   "
-                  f"[store: {how}; raw: {how_raw}]")
+                  f"[store: {how['store']}; raw: {how['raw']}]")
+            if args.verify:
+                how_v = evict(paths, args.warm)
+                sv = store_read(paths, verify=True)
+                print(f"read {r} verified per sample: store {mb / sv:8.0f} MB/s   ratio {rr / sv:.2f}   [{how_v}]")
         print(f"read ratio {statistics.median(ratios):.2f} (median of {len(ratios)}), write ratio {rw / sw:.2f}; "
               f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
 
@@ -229,6 +252,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--dir", default=None, help="folder on the disk to measure (default: the temp dir)")
     ap.add_argument("--warm", action="store_true", help="store reads: skip page-cache eviction (measures memory)")
+    ap.add_argument("--raw-block-mb", type=int, default=8, help="block size of the raw sequential read")
+    ap.add_argument("--verify", action="store_true", help="also read with per-sample sha256 checks (CPU-bound)")
     ap.add_argument("--drop-caches", action="store_true", help="accepted for old scripts: cold is the default")
     ap.add_argument("--extract", action="store_true")
     ap.add_argument("--model", default=None)
