@@ -1,12 +1,14 @@
 """The fast tokenize path gives exactly the reference path's rows (issue 16, point 3).
 
 `ChatFormat(fast=True)` (the default) renders through `_ChatSandbox` and tokenizes through the
-tokenizer's Rust backend; `ChatFormat(fast=False)` renders in Jinja's ImmutableSandboxedEnvironment
-and tokenizes through `tokenizer(texts)`, as transformers does. For every template in
-tests/fixtures/chat_templates, every conversation case, synthetic benchmark conversations and every
-policy (with ids derived from the template and with the target's ids handed over), both give the same
-rows (input_ids, loss_mask, turns, spans) or the same reason code. The sandbox's shortcuts are also
-checked against templates that poke at what the sandbox forbids.
+tokenizer's Rust backend, texts cut after added tokens and each distinct piece tokenized once;
+`ChatFormat(fast=False)` renders in Jinja's ImmutableSandboxedEnvironment and tokenizes through
+`tokenizer(texts)`, as transformers does. For every template in tests/fixtures/chat_templates,
+every conversation case, synthetic benchmark conversations and every policy (with ids derived from
+the template and with the target's ids handed over), both give the same rows (input_ids, loss_mask,
+turns, spans) or the same reason code. The sandbox's shortcuts are also checked against templates
+that poke at what the sandbox forbids, and the cut rule against tokenizers where cutting would
+change the ids (overlapping or whitespace-taking tokens, Metaspace).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import functools
 import random
 
 import pytest
+from tokenizers import AddedToken
 
 from benchmarks.tokenize import conversation
 from draftflow.chat import POLICIES, ChatFormat, EncodeRequest
 from draftflow.chat.render import compile_template
-from draftflow.chat.tokens import fast_backend, tokenize_texts
+from draftflow.chat.tokens import cut_pattern, fast_backend, tokenize_texts
 from draftflow.errors import ConversationError
 from draftflow.stages.tokenize import count_supervised
 from tests.test_chat_cases import CASES, SPECIAL_KWARGS, TEMPLATE_NAMES, TEMPLATES, case, chat_format, qwen_tokenizer
@@ -94,7 +97,8 @@ def test_backend_is_bypassed_when_its_state_differs_from_what_transformers_sets(
         "{{ messages[0].items() | list }}",
         "{{ messages[0].missing is defined }}{{ messages[0].role }}",
         "{% set ns = namespace(a=1, f=messages[0].content.upper) %}{{ ns.a }}{{ ns.f() }}{{ ns._x }}",
-        "{% for m in messages %}{{ loop.index0 }}{{ loop.last }}{{ loop.cycle('x', 'y') }}{{ loop._after }}{% endfor %}",
+        "{% for m in messages %}{{ loop.index0 }}{{ loop.last }}{{ loop.cycle('x', 'y') }}"
+        "{{ loop._after }}{% endfor %}",
     ],
 )
 def test_sandbox_shortcuts_answer_as_the_sandbox_does(template):
@@ -118,3 +122,55 @@ def test_supervised_counts_by_runs_equal_counts_by_token():
     assert freq == Counter(t for t, m in zip(ids, mask, strict=True) if m)
     count_supervised(freq, [1, 2], [0, 0])
     assert sum(freq.values()) == 5
+
+
+BOUNDARIES = [
+    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_end|>\n\nfoo<|im_end|><|im_start|>  x<think>\n\n</think>\n\n bar",
+    "\n\n<|im_end|>",
+    "<|im_end|>",
+    "",
+    "plain text with no marker",
+]
+
+
+def test_texts_cut_after_added_tokens_give_transformers_ids():
+    tok = copy.deepcopy(qwen_tokenizer())
+    backend = fast_backend(tok)
+    pattern = cut_pattern(backend)
+    assert pattern is not None and pattern.fullmatch("<|im_end|>") and pattern.fullmatch("<|im_start|>")
+    want = [list(ids) for ids in tok(BOUNDARIES, add_special_tokens=False)["input_ids"]]
+    assert tokenize_texts(tok, BOUNDARIES) == want
+    assert tokenize_texts(tok, BOUNDARIES[:1] * 3) == want[:1] * 3  # repeated pieces share their ids
+
+
+def test_no_cut_at_tokens_whose_match_depends_on_their_neighbours():
+    """A token that another added token contains, or one that takes the whitespace after it, is no cut."""
+    tok = copy.deepcopy(qwen_tokenizer())
+    tok.add_tokens(
+        [
+            AddedToken("<|im_end|>\n", special=True, normalized=False),
+            AddedToken("<glue>", rstrip=True, normalized=False),
+        ]
+    )
+    pattern = cut_pattern(fast_backend(tok))
+    assert pattern is not None and pattern.fullmatch("<|im_start|>")
+    assert not pattern.fullmatch("<|im_end|>") and not pattern.fullmatch("<glue>")
+    texts = [*BOUNDARIES, "<glue>  after<|im_end|>\nx<|im_end|>y"]
+    want = [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
+    assert tokenize_texts(tok, texts) == want
+
+
+def test_no_cuts_with_a_pre_tokenizer_that_looks_at_offsets():
+    """Metaspace (prepend_scheme first) treats a text's first piece apart: cutting would change ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "▁a": 1, "a": 2, "▁b": 3, "b": 4, "<e>": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tok.add_tokens([AddedToken("<e>", special=True, normalized=False)])
+    assert fast_backend(tok) is not None and cut_pattern(fast_backend(tok)) is None
+    texts = ["a<e>b", "b"]
+    assert tokenize_texts(tok, texts) == [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
