@@ -178,6 +178,7 @@ def test_two_nodes_sharing_only_s3_equal_one_node(cluster, tiny_target, caplog):
         assert store.fs.cat_file(store.stage_path("train", "fp-two", name)) == store.fs.cat_file(
             store.stage_path("train", "fp-one", name)
         )
+    assert not [f for f in (node_b.cache / "train-work").rglob("*") if f.is_file()]  # node B cleaned up its own
     read = [f for f in node_b.cache.rglob("*") if f.is_file() and "train-work" not in f.parts]
     assert read, "node B read its features from S3 into its own cache (whole shards or ranges, either way)"
     assert not store.fs.exists(store.stage_path("train", "fp-two", "work"))  # launch folder and checkpoints gone
@@ -216,4 +217,6 @@ def test_a_node_killed_mid_run_resumes_from_the_store_to_the_same_weights(cluste
     assert node_b.wait() == 0, node_b.output()[-3000:]
     assert "at step 2 of 4" in caplog.text and "at step 2 of 4" in node_b.output()  # "resumed from ... at step 2"
     assert again["extra"]["metrics"]["steps"] == 4
+    # Node B held a step-2 checkpoint in its work folder (written as rank 0, or pulled): gone once the run is done.
+    assert not [f for f in (tmp / "cache" / "train-work").rglob("*") if f.is_file()]
     _assert_same_weights(cluster["one"], _weights(store, "fp-kill"))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +114,8 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
             "features": features, "out_dir": out, "mirror": mirror}
     if mirror and cfg.train.nnodes > 1:  # nodes share only the store: the launch folder is there, work folders not
         fp = mirror.split("/")[-3]  # <root>/train/<fp>/work/checkpoints
-        spec |= {"exchange": launch_url(store, fp), "node_work": str(Path(out).relative_to(default_cache_dir()))}
+        spec |= {"exchange": launch_url(store, fp), "node_work": str(Path(out).relative_to(default_cache_dir())),
+                 "first_node": socket.gethostname()}
     result = launch_training(spec, cfg.train, out)
     target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
     return Trained(result["metrics"], target_config, result["rows"], result["tokens"])

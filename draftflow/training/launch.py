@@ -37,6 +37,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -301,6 +302,15 @@ def _run_rank(spec: dict[str, Any] | None, exchange: Exchange, rank: int) -> Non
         exchange.write_json("result.json", {"metrics": trained.metrics, "rows": trained.rows,
                                             "tokens": trained.tokens})
     _barrier()  # no node's torchrun exits (and ends the parent's wait) before rank 0 has published
+    if spec.get("node_work") and int(os.environ.get("LOCAL_RANK", "0")) == 0 and not _first_nodes(spec, out):
+        shutil.rmtree(out, ignore_errors=True)  # another node's work folder: the first node commits the outputs
+
+
+def _first_nodes(spec: dict[str, Any], out: str) -> bool:
+    """Whether `out` is the work folder the parent (the train stage) commits from: its host, its path."""
+    import socket
+
+    return (socket.gethostname(), out) == (spec.get("first_node"), spec["out_dir"])
 
 
 def _align_checkpoints(store, cfg, mirror: str, out: str) -> None:
