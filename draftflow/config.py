@@ -9,13 +9,14 @@ Overrides use the same dotted paths: `--set train.lr=1e-3`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draftflow.errors import ConfigError
 from draftflow.fields import BoolOrFraction, Device, Regex
+from draftflow.gate_config import GateConfig
 
 
 class Section(BaseModel):
@@ -68,6 +69,9 @@ class SourceConfig(Section):
     columns: dict[str, str] = Field(default_factory=dict, description="adapter column -> source column")
     count: int | None = Field(None, ge=0, description="keep at most this many rows of this source")
     weight: float | None = Field(None, gt=0.0, description="share of the mixture (with the other weights)")
+    category: str | None = Field(None, min_length=1, description="evaluation category of its rows (chat, code, math)")
+    category_field: str | None = Field(None, min_length=1, description="row column naming the category (else category)")
+    split: Literal["train", "eval"] | None = Field(None, description="every row to this split; null = eval_fraction")
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceConfig:
@@ -239,6 +243,11 @@ class EvaluateConfig(Section):
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
     vllm_tau_tolerance: float = Field(
         0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
+    ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
+    categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
+    baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
+    kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
+    gate: GateConfig = GateConfig()  # promotion thresholds, applied after the stage (in no fingerprint)
 
 
 class RunnerConfig(Section):
@@ -313,7 +322,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
 NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",
                      "regenerate.checkpoint_every", "regenerate.openai", "regenerate.vllm",
-                     "extract.checkpoint_every", "extract.force", "extract.batch_size"}
+                     "extract.checkpoint_every", "extract.force", "extract.batch_size", "evaluate.gate"}
 # How training is spread over processes: the same global batch gives the same result up to float
 # summation order (ddp and fsdp alike), and a checkpoint resumes under any of them.
 NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoint", "train.launcher",

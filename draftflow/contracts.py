@@ -131,6 +131,7 @@ class StageResult(_Frozen):
     digest: str
     path: str
     manifest: Manifest
+    gate: dict[str, Any] | None = None  # evaluate: the verdict of `evaluate.gate`, applied after the stage
 
 
 class StoredFeatures(_Frozen):

@@ -70,6 +70,7 @@ from safetensors.torch import load_file
 from draftflow.compat import config_dtype
 from draftflow.errors import StoreError
 from draftflow.export_readme import README_NAME, portable_target_name, write_readme
+from draftflow.layers import engine_layer_id, engine_layer_index
 from draftflow.models.dflash import SHARED_PREFIXES, DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.weights import (
@@ -197,7 +198,7 @@ def speculators_config(cfg: DFlashConfig, target_config: Any, verifier: str | No
         "block_size": cfg.block_size,
         "mask_token_id": cfg.mask_token_id,
         # Boundary indices (HF hidden_states index): draftflow's "output of layer L" + 1.
-        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "aux_hidden_state_layer_ids": [engine_layer_index("vllm", i) for i in cfg.target_layer_ids],
         "speculators_config": {
             "algorithm": "dflash",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
@@ -276,7 +277,7 @@ def config_from_export(data: dict[str, Any]) -> DFlashConfig:
     if data.get("speculators_model_type") == "dflash":
         dims = data["transformer_layer_config"]
         extra = {"block_size": data["block_size"], "mask_token_id": data["mask_token_id"],
-                 "target_layer_ids": [i - 1 for i in data["aux_hidden_state_layer_ids"]],
+                 "target_layer_ids": [engine_layer_id("vllm", i) for i in data["aux_hidden_state_layer_ids"]],
                  "num_target_layers": data.get("num_target_layers")}
     else:
         dims, dflash = data, data["dflash_config"]

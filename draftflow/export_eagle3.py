@@ -22,6 +22,7 @@ from draftflow.export import (
     rename_tensor,
     write_export,
 )
+from draftflow.layers import engine_layer_id, engine_layer_index
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
@@ -68,7 +69,7 @@ def llama_dims(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
 
 def eagle3_vllm_config(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
     """config.json of vLLM's native EAGLE-3 layout (see the module docstring)."""
-    aux = [i + 1 for i in cfg.target_layer_ids]  # boundary indices
+    aux = [engine_layer_index("vllm", i) for i in cfg.target_layer_ids]  # boundary indices
     return llama_dims(cfg, target_config) | {
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": cfg.draft_vocab_size,
@@ -91,7 +92,7 @@ def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: s
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": False,
         "target_hidden_size": cfg.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],  # boundary indices
+        "eagle_aux_hidden_state_layer_ids": [engine_layer_index("vllm", i) for i in cfg.target_layer_ids],
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.ttt_steps}],
@@ -133,7 +134,7 @@ def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, t
 def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
     """Rebuild an Eagle3Config from either exported config.json."""
     dims = data["transformer_layer_config"] if "transformer_layer_config" in data else data
-    ids = [i - 1 for i in data["eagle_aux_hidden_state_layer_ids"]]
+    ids = [engine_layer_id("vllm", i) for i in data["eagle_aux_hidden_state_layer_ids"]]
     steps = data.get("ttt_steps") or data.get("speculators_config", {}).get("proposal_methods", [{}])[0].get(
         "speculative_tokens", 7)
     return Eagle3Config.from_dict({

@@ -9,23 +9,34 @@ One safetensors file holds many samples, packed along the token axis:
     offsets        (n_samples + 1,)      int64                     sample j = [offsets[j], offsets[j+1])
 
 Metadata (strings): `format`, `dtype`, `layer_ids` (JSON list, DFlash ids, see
-`draftflow.layers`) and `sample_ids` (JSON list, in offset order): the per-shard
-index. Bytes per token are taps x hidden x dtype size plus 5 (ids, mask), plus
-4 x taps for fp8 scales: within 1% of the raw features from hidden 1024 up.
+`draftflow.layers`), `sample_ids` (JSON list, in offset order) and, from format v3,
+`sample_sha256` (JSON list): per sample, the sha256 of its id and its stored rows of
+every tensor but `offsets` (`sample_digest`), so a reader of one sample's byte ranges
+can verify what it read without the whole file. Together: the per-shard index.
+v2 shards (no `sample_sha256`) stay readable; they are verified whole. Bytes per
+token are taps x hidden x dtype size plus 5 (ids, mask), plus 4 x taps for fp8
+scales: within 1% of the raw features from hidden 1024 up.
 
 The file is standard safetensors, but written and read here directly: writes
 stream sample by sample (a shard never has to fit in memory twice, and shards
-merge by copying byte ranges), and reads take byte ranges of one sample from
-an mmap (local) or an fsspec file (`s3://…`, ranged GETs), so random access by
-sample id never reads the whole shard. fp8 reads dequantize to bf16.
-This module knows nothing of models, engines or stages.
+merge by copying byte ranges), and reads take byte ranges of one sample: one
+`pread` per stored tensor (local) or ranged reads of an fsspec file (`s3://…`),
+so random access by sample id never reads the whole shard. fp8 reads dequantize
+to bf16. This module knows nothing of models, engines or stages.
+
+Trade-off (local reads): one large `pread` per tensor range copies the sample
+into process memory, where an mmap view would be zero-copy. On a cold page
+cache the mmap faulted 4 KiB pages in behind a small read-ahead window and read
+at ~0.46x raw disk (issue 16); a pread of a whole range is one request the
+kernel serves at sequential speed (`benchmarks/feature_store.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-import mmap
+import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -37,7 +48,8 @@ import torch
 from draftflow.errors import StoreError
 from draftflow.store import sha256_file
 
-FORMAT = "draftflow.features.v2"
+FORMAT = "draftflow.features.v3"  # v3: per-sample checksums in the index
+READABLE = ("draftflow.features.v2", FORMAT)
 STORED = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float8": torch.float8_e4m3fn}
 _ST_NAMES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3", torch.int32: "I32",
              torch.int64: "I64", torch.uint8: "U8"}
@@ -116,9 +128,17 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
     return offsets
 
 
-def _meta(layer_ids: list[int], dtype: str, sample_ids: list[str]) -> dict[str, str]:
+def _meta(layer_ids: list[int], dtype: str, sample_ids: list[str], digests: list[str]) -> dict[str, str]:
     return {"format": FORMAT, "dtype": dtype, "layer_ids": json.dumps(list(layer_ids)),
-            "sample_ids": json.dumps(sample_ids)}
+            "sample_ids": json.dumps(sample_ids), "sample_sha256": json.dumps(digests)}
+
+
+def sample_digest(sample_id: str, rows: Iterable[torch.Tensor]) -> str:
+    """sha256 of a sample's id and its stored rows, tensor by tensor in file order (`offsets` excluded)."""
+    h = hashlib.sha256(sample_id.encode() + b"\0")
+    for t in rows:
+        h.update(_bytes(t))
+    return h.hexdigest()
 
 
 def write_feature_shard(path: str | Path, samples: list[FeatureSample], layer_ids: list[int],
@@ -135,7 +155,9 @@ def write_feature_shard(path: str | Path, samples: list[FeatureSample], layer_id
     specs += [("input_ids", torch.int32, [T], (s.input_ids.to(torch.int32) for s in samples)),
               ("loss_mask", torch.uint8, [T], (s.loss_mask.to(torch.uint8) for s in samples)),
               ("offsets", torch.int64, [len(samples) + 1], [offsets])]
-    _write(path, specs, _meta(layer_ids, dtype, [s.sample_id for s in samples]))
+    digests = [sample_digest(s.sample_id, [*e.values(), s.input_ids.to(torch.int32), s.loss_mask.to(torch.uint8)])
+               for s, e in zip(samples, enc, strict=True)]  # e: hidden_states (then scales): file order
+    _write(path, specs, _meta(layer_ids, dtype, [s.sample_id for s in samples], digests))
     return T
 
 
@@ -163,11 +185,27 @@ def merge_feature_shards(path: str | Path, parts: list[FeatureShard], sample_ids
             dtype, shape = first.tensor_info(name)
             specs.append((name, dtype, [T, *shape[1:]], rows_of(name)))
     specs.append(("offsets", torch.int64, [len(picks) + 1], [offsets]))
-    _write(path, specs, _meta(first.layer_ids, first.dtype, list(sample_ids)))
+    _write(path, specs, _meta(first.layer_ids, first.dtype, list(sample_ids), [p.digest(i) for p, i in picks]))
     return T
 
 
 # -- reading -------------------------------------------------------------------------------------
+def read_range(path: str, start: int, end: int) -> bytearray:
+    """Bytes [start, end) of a local file in one `pread` (repeated only after a short read)."""
+    buf = bytearray(end - start)
+    view, fd = memoryview(buf), os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n <= 0:
+                raise StoreError(f"feature shard {path} ended at byte {start + done}; it will be recomputed")
+            done += n
+    finally:
+        os.close(fd)
+    return buf
+
+
 def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
     """sha256 of a local or fsspec file (a path on `fs` when given), streamed."""
     if fs is None:
@@ -178,16 +216,23 @@ def sha256_of(path: str, storage_options: dict | None = None, fs=None) -> str:
 class FeatureShard:
     """Random access by sample id, and streaming, over one feature shard (local path or fsspec URL).
 
-    Local files are memory-mapped (copy-on-write, so returned tensors are zero-copy views);
-    remote ones are read by byte range through fsspec. With `sha256`, the whole file is hashed
-    first. A truncated, foreign or corrupted file raises `StoreError`.
+    Local files are read with one `pread` per tensor range (tensors own their memory); remote
+    ones by byte range through fsspec, or through `reader` when given: a callable
+    `(start, end) -> bytes` (ranged GETs of a streaming source, `draftflow.feature_stream`).
+    With `sha256`, the whole file is hashed first. A truncated, foreign or corrupted file raises
+    `StoreError`.
     """
 
-    def __init__(self, path: str | Path, sha256: str | None = None, storage_options: dict | None = None):
+    def __init__(self, path: str | Path, sha256: str | None = None, storage_options: dict | None = None,
+                 reader=None, size: int | None = None):
         self.path = str(path)
         if sha256 is not None and sha256_of(self.path, storage_options) != sha256:
             raise StoreError(f"feature shard {self.path} fails its checksum; it will be recomputed")
-        self._open(storage_options or {})
+        if reader is not None:
+            self._remote, self.reader, self._size = True, reader, size
+        else:
+            self.reader = None
+            self._open(storage_options or {})
         self._read_header()
         self.offsets = self._tensor("offsets", 0, self._info["offsets"]["shape"][0])
         self._index = {sid: i for i, sid in enumerate(self.sample_ids)}
@@ -199,14 +244,15 @@ class FeatureShard:
         if self._remote:
             self._fh = fs.open(p, "rb", block_size=4 << 20)
         else:
-            with open(p, "rb") as fh:
-                self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if self._size else None
+            self._local = p
 
     def _bytes(self, start: int, end: int):
         if end > self._size:
             raise StoreError(f"feature shard {self.path} is truncated; it will be recomputed")
         if not self._remote:
-            return memoryview(self._mm)[start:end]
+            return read_range(self._local, start, end)
+        if self.reader is not None:
+            return bytearray(self.reader(start, end))
         self._fh.seek(start)
         return bytearray(self._fh.read(end - start))
 
@@ -217,7 +263,7 @@ class FeatureShard:
         except (struct.error, ValueError, StoreError) as exc:
             raise StoreError(f"feature shard {self.path} is unreadable ({exc}); it will be recomputed") from None
         meta = header.pop("__metadata__", {}) or {}
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in READABLE:
             raise StoreError(f"feature shard {self.path} has format {meta.get('format')!r}, expected {FORMAT}")
         self._start, self._info = 8 + n, header
         end = self._start + max(v["data_offsets"][1] for v in header.values())
@@ -227,6 +273,7 @@ class FeatureShard:
         self.dtype: str = meta["dtype"]
         self.layer_ids: list[int] = json.loads(meta["layer_ids"])
         self.sample_ids: list[str] = json.loads(meta["sample_ids"])
+        self.sample_sha256: list[str] | None = json.loads(meta["sample_sha256"]) if "sample_sha256" in meta else None
 
     def tensor_names(self) -> list[str]:
         return sorted(self._info, key=lambda k: self._info[k]["data_offsets"][0])
@@ -234,14 +281,25 @@ class FeatureShard:
     def tensor_info(self, name: str) -> tuple[torch.dtype, list[int]]:
         return _ST_DTYPES[self._info[name]["dtype"]], self._info[name]["shape"]
 
-    def _tensor(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Rows [lo, hi) of a stored tensor, as stored (a zero-copy view for local shards)."""
+    def _span(self, name: str, lo: int, hi: int) -> tuple[int, int]:
+        """File bytes of rows [lo, hi) of a stored tensor."""
         dtype, shape = self.tensor_info(name)
         row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
         start = self._start + self._info[name]["data_offsets"][0]
+        return start + lo * row, start + hi * row
+
+    def ranges(self, key: int | str) -> list[tuple[int, int]]:
+        """File byte ranges of one sample's rows, tensor by tensor in file order (`offsets` excluded)."""
+        i = self._pos(key)
+        lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+        return [self._span(name, lo, hi) for name in self.tensor_names() if name != "offsets"]
+
+    def _tensor(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of a stored tensor, as stored (in memory the tensor owns)."""
+        dtype, shape = self.tensor_info(name)
         if hi <= lo:
             return torch.empty((0, *shape[1:]), dtype=dtype)
-        buf = self._bytes(start + lo * row, start + hi * row)
+        buf = self._bytes(*self._span(name, lo, hi))
         return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).reshape(hi - lo, *shape[1:])
 
     def __len__(self) -> int:
@@ -263,14 +321,36 @@ class FeatureShard:
         i = self._pos(key)
         return self._tensor(name, int(self.offsets[i]), int(self.offsets[i + 1]))
 
-    def get(self, key: int | str) -> FeatureSample:
-        """One sample by position or by sample id; fp8 features come back dequantized to bf16."""
+    def _stored(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: self.rows(name, i) for name in self.tensor_names() if name != "offsets"}
+
+    def digest(self, key: int | str) -> str:
+        """The sample's checksum: from the index (v3), else computed from its rows (v2)."""
         i = self._pos(key)
-        hidden = self.rows("hidden_states", i)
+        if self.sample_sha256 is not None:
+            return self.sample_sha256[i]
+        return sample_digest(self.sample_ids[i], self._stored(i).values())
+
+    def get(self, key: int | str, verify: bool = False) -> FeatureSample:
+        """One sample by position or by sample id; fp8 features come back dequantized to bf16.
+
+        With `verify`, the rows read are checked against the index's checksum (v3 shards).
+
+        Raises:
+            StoreError: `verify` on a shard without checksums, or the rows fail theirs.
+        """
+        i = self._pos(key)
+        rows = self._stored(i)
+        if verify:
+            if self.sample_sha256 is None:
+                raise StoreError(f"feature shard {self.path} has no per-sample checksums; verify it whole")
+            if sample_digest(self.sample_ids[i], rows.values()) != self.sample_sha256[i]:
+                raise StoreError(f"sample {self.sample_ids[i]!r} of feature shard {self.path} fails its checksum; "
+                                 "delete the shard and re-run extract")
+        hidden = rows["hidden_states"]
         if self.dtype == "float8":
-            hidden = dequantize_fp8(hidden, self.rows("scales", i))
-        return FeatureSample(self.sample_ids[i], self.rows("input_ids", i).to(torch.int64),
-                             self.rows("loss_mask", i).bool(), hidden)
+            hidden = dequantize_fp8(hidden, rows["scales"])
+        return FeatureSample(self.sample_ids[i], rows["input_ids"].to(torch.int64), rows["loss_mask"].bool(), hidden)
 
     def __iter__(self) -> Iterator[FeatureSample]:
         """Every sample in stored order (sequential reads: remote shards stream by read-ahead)."""

@@ -41,8 +41,9 @@ def default_dflash_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 def check_tap_count(layer_ids: list[int], num_taps: int) -> None:
     """DFlash: explicit taps must number `drafter.num_taps` (target-free, so preflight checks it first)."""
     if len(layer_ids) != num_taps:
-        raise ConfigError(f"drafter.target_layer_ids has {len(layer_ids)} ids but drafter.num_taps is "
-                          f"{num_taps}; make them agree")
+        raise ConfigError(
+            f"drafter.target_layer_ids has {len(layer_ids)} ids but drafter.num_taps is {num_taps}; make them agree"
+        )
 
 
 def dflash_taps(layer_ids: list[int] | None, num_taps: int, num_target_layers: int) -> list[int]:
@@ -55,6 +56,40 @@ def dflash_taps(layer_ids: list[int] | None, num_taps: int, num_target_layers: i
     validate_layer_ids(ids, num_target_layers)
     check_tap_count(ids, num_taps)
     return ids
+
+
+# The one table of index conventions. Where each consumer reads DFlash id L (the output of decoder layer L):
+#   hf_hook     forward hook on decoder layer L itself: its output is the id, unchanged.
+#   hf_hidden   transformers `output_hidden_states` tuple: boundary index L + 1 (entry 0 is the embeddings).
+#   vllm        vLLM `eagle_aux_hidden_state_layer_ids` (and the speculators configs vLLM reads,
+#               `aux_hidden_state_layer_ids`): the residual stream *entering* layer k, so
+#               k = num_layers is the last layer's un-normed output: L + 1.
+# Every +1/-1 between these conventions in draftflow goes through `engine_layer_index` / `engine_layer_id`.
+ENGINE_OFFSETS = {"hf_hook": 0, "hf_hidden": 1, "vllm": 1}
+
+
+def _offset(engine: str) -> int:
+    if engine not in ENGINE_OFFSETS:
+        raise ValueError(f"no layer-index convention for engine {engine!r}; known: {sorted(ENGINE_OFFSETS)}")
+    return ENGINE_OFFSETS[engine]
+
+
+def engine_layer_index(engine: str, layer_id: int) -> int:
+    """The index `engine` uses for DFlash layer id L (see `ENGINE_OFFSETS`).
+
+    Raises:
+        ValueError: an engine without an entry in the table.
+    """
+    return layer_id + _offset(engine)
+
+
+def engine_layer_id(engine: str, index: int) -> int:
+    """The DFlash layer id that `engine`'s `index` names: the inverse of `engine_layer_index`.
+
+    Raises:
+        ValueError: an engine without an entry in the table.
+    """
+    return index - _offset(engine)
 
 
 FINAL = -1  # feature id of the target's final normed hidden state (not a decoder layer)
@@ -73,9 +108,10 @@ def eagle3_layer_ids(num_target_layers: int) -> list[int]:
 def default_eagle3_layer_ids(num_target_layers: int) -> list[int]:
     """EAGLE-3's default taps as draftflow (DFlash-convention) ids: 1, N // 2 - 1, N - 4.
 
-    Equal to `eagle3_layer_ids` minus one each (boundary index k = output of layer k - 1).
+    `eagle3_layer_ids` read back through the vLLM row of `ENGINE_OFFSETS` (boundary index k =
+    output of layer k - 1).
     """
-    return [b - 1 for b in eagle3_layer_ids(num_target_layers)]
+    return [engine_layer_id("vllm", b) for b in eagle3_layer_ids(num_target_layers)]
 
 
 def eagle3_taps(layer_ids: list[int] | None, num_target_layers: int) -> list[int]:
@@ -93,13 +129,15 @@ def eagle3_taps(layer_ids: list[int] | None, num_target_layers: int) -> list[int
 def check_eagle3_count(layer_ids: list[int]) -> None:
     """EAGLE-3 fuses exactly three taps (target-free, so preflight checks it first)."""
     if len(layer_ids) != 3:
-        raise ConfigError(f"drafter.kind=eagle3 fuses exactly 3 taps (low, mid, high), but drafter.target_layer_ids "
-                          f"has {len(layer_ids)}: {list(layer_ids)}; give 3 ids or leave it null")
+        raise ConfigError(
+            f"drafter.kind=eagle3 fuses exactly 3 taps (low, mid, high), but drafter.target_layer_ids "
+            f"has {len(layer_ids)}: {list(layer_ids)}; give 3 ids or leave it null"
+        )
 
 
 def hf_hidden_state_index(layer_id: int) -> int:
-    """Index into HF `output_hidden_states` for DFlash layer id L (output of layer L)."""
-    return layer_id + 1
+    """Index into HF `output_hidden_states` for DFlash layer id L (output of layer L): `ENGINE_OFFSETS`."""
+    return engine_layer_index("hf_hidden", layer_id)
 
 
 def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int]:
@@ -126,26 +164,5 @@ def validate_layer_ids(layer_ids: list[int], num_target_layers: int) -> list[int
                 f"transformers only exposes after the final norm; use ids up to {num_target_layers - 2}"
             )
     if list(layer_ids) != sorted(set(layer_ids)):
-        raise ConfigError(
-            f"drafter.target_layer_ids must be strictly increasing, got {list(layer_ids)}"
-        )
+        raise ConfigError(f"drafter.target_layer_ids must be strictly increasing, got {list(layer_ids)}")
     return list(layer_ids)
-
-
-# Where each capture engine reads DFlash id L (the output of decoder layer L):
-#   hf_hook     forward hook on decoder layer L itself: its output is the id, unchanged.
-#   hf_hidden   transformers `output_hidden_states` tuple: boundary index L + 1.
-#   vllm        vLLM `eagle_aux_hidden_state_layer_ids`: the residual stream *entering*
-#               layer k (so k = num_layers is the last layer's un-normed output): L + 1.
-_ENGINE_OFFSETS = {"hf_hook": 0, "hf_hidden": 1, "vllm": 1}
-
-
-def engine_layer_index(engine: str, layer_id: int) -> int:
-    """The index `engine` uses for DFlash layer id L (see the table above).
-
-    Raises:
-        ValueError: an engine without an entry in the table.
-    """
-    if engine not in _ENGINE_OFFSETS:
-        raise ValueError(f"no layer-index convention for engine {engine!r}; known: {sorted(_ENGINE_OFFSETS)}")
-    return layer_id + _ENGINE_OFFSETS[engine]

@@ -64,6 +64,12 @@ def preflight(cfg: RunConfig) -> TargetRef:
     check_engine(cfg, target)
     check_online(cfg)
     check_vllm(cfg, target)
+    from draftflow.gating import check_gate
+
+    check_gate(cfg)  # a named evaluate.gate.baseline exists
+    from draftflow.evaluation.selection import check_categories
+
+    check_categories(cfg.curate, cfg.evaluate)  # evaluate.categories names ones a source can give
     return target
 
 

@@ -84,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="only this deployment, e.g. draftflow-stage/curate (repeatable)")
     s.add_argument("--gpu-slots", type=int, default=1,
                    help="slots of the `gpu` concurrency limit when it is created (GPUs on the box)")
+    s = sub.add_parser("compare", help="tau and projected speedup per category and DDTree budget across runs")
+    s.add_argument("runs", nargs="+", metavar="RUN", help="a run root, an evaluate folder or a report.json")
+    s.add_argument("--png", default=None, metavar="PATH", help="also draw the comparison as a PNG here")
     return p
 
 
@@ -156,6 +159,13 @@ def cmd_run(args) -> int:
               f"dropped {dropped:<28} {s['path']}")
     tau = summary["tau"]
     print(f"mean acceptance length tau = {'n/a' if tau is None else f'{tau:.3f}'}")
+    from draftflow.evaluation.summary import console_lines
+
+    for line in console_lines(summary.get("evaluation")):
+        print(line)
+    from draftflow.gating import summary_line
+
+    print(summary_line(summary.get("gate")))
     print(f"checkpoint: {summary['checkpoint']}")
     for fmt, path in summary.get("exports", {}).items():
         print(f"export ({fmt}): {path}")
@@ -261,6 +271,14 @@ def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
             signal.signal(sig, handler)
 
 
+def cmd_compare(args) -> int:
+    """The evaluations' figures side by side (`draftflow.compare`); reads report.json files only."""
+    from draftflow.compare import compare
+
+    print(compare(args.runs, args.png))
+    return 0
+
+
 def cmd_deploy(args) -> int:
     _prefect_env()
     from flows.deploy import deploy
@@ -312,7 +330,7 @@ def _progress(p: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     handler = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "server": cmd_server,
-               "deploy": cmd_deploy}[args.command]
+               "deploy": cmd_deploy, "compare": cmd_compare}[args.command]
     try:
         return handler(args)
     except DraftflowError as exc:

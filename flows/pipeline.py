@@ -64,6 +64,8 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
                     "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "dropped": s.manifest.dropped}
                    for s in stages],
         "tau": report["tau"],
+        "gate": evaluated.gate,  # evaluate.gate's verdict, None without one (draftflow.gating)
+        "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in extra.get("export", {}).items()},
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path),  # format -> `vllm serve` line
@@ -72,12 +74,15 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
 
 
 def publish_summary(cfg: RunConfig, summary: dict) -> None:
+    from draftflow.gating import summary_line
+
     rows = [{"stage": s["stage"], "status": s["status"], "rows_in": s["rows_in"], "rows_out": s["rows_out"],
              "dropped": sum(s["dropped"].values()), "path": s["path"]} for s in summary["stages"]]
     create_table_artifact(table=rows, key=artifact_key(cfg.name, "pipeline"), description="stages of this run")
     create_markdown_artifact(
         key=artifact_key(cfg.name, "result"),
         markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {_tau(summary['tau'])}**\n\n"
+                 f"- {summary_line(summary.get('gate'))}\n"
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
                  + "".join(f"- export ({fmt}): `{path}`\n\n  ```\n  {summary['serve'].get(fmt, '')}\n  ```\n\n"
                            for fmt, path in summary["exports"].items())

@@ -124,4 +124,18 @@ def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: S
     def work(store, fp):
         return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,
                                   trained=trained)
-    return run_stage(cfg, "evaluate", inputs, work)
+    result = run_stage(cfg, "evaluate", inputs, work)
+    return gate_stage(cfg, result, trained)  # also on a reused stage: thresholds are in no fingerprint
+
+
+def gate_stage(cfg: RunConfig, evaluated: StageResult, trained: StageResult) -> StageResult:
+    """Apply `evaluate.gate`: publish its checks, then fail this flow run in one line if it failed."""
+    from draftflow.gating import apply_gate, raise_if_failed
+    from draftflow.store import Store
+
+    store = Store(cfg.root)
+    verdict = apply_gate(store, cfg, evaluated, trained)
+    if verdict is not None:
+        publish_table(cfg, "evaluate", "gate", verdict["checks"], "evaluate gate: measured value, threshold, passed")
+    raise_if_failed(verdict, store)
+    return evaluated.model_copy(update={"gate": verdict})

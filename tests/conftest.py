@@ -46,6 +46,8 @@ SLOW = [
     "tests/test_ray.py::test_gpu_tasks_ask_ray_for_gpus_and_workers_import_the_repo_with_one_torch_thread",
     "tests/test_ray.py::test_thread_runner_stays_in_the_flow_process",  # harness
     "tests/test_ray.py::test_pipeline_on_ray_writes_the_same_manifests_as_on_threads",
+    "tests/test_ray_cluster.py::*",  # `ray start` head + worker node, stage flows under the harness (~3 min)
+    "tests/test_multinode.py::*",  # two torchrun nodes on moto S3, three launches and a SIGKILL (~2 min)
     "tests/test_launch.py::test_torchrun_stage_equals_in_process_training",
     "tests/test_launch.py::test_a_rank_crash_is_one_line_with_the_exit_code_and_log_and_no_manifest",
     "tests/test_launch.py::test_a_user_error_in_a_rank_is_a_draftflow_error",
@@ -59,6 +61,10 @@ SLOW = [
     "tests/test_cli.py::test_status_of_a_config_before_any_run_lists_every_stage",
     "tests/test_cli.py::test_plan_lists_every_stage",
     "tests/test_cli.py::test_layer_id_out_of_range_is_a_config_error",
+    # KV-cached decoding with trained drafters (~4 s to train both kinds; the untrained cases stay fast)
+    "tests/test_evaluate_cached.py::test_cached_equals_uncached_tokens_and_steps[[]*-trained]",
+    "tests/test_evaluate_cached.py::test_eos_and_max_new_tokens_inside_a_block*",
+    "tests/test_evaluate_cached.py::test_evaluate_prompts_same_report_with_and_without_cache",
 ]
 # Whatever needs these fixtures is slow too, listed or not: the fast tier never starts Prefect's harness or Ray.
 SLOW_FIXTURES = {"prefect_harness", "ray_instance"}

@@ -19,6 +19,7 @@ RUNS = {
     "tokenize": ["--conversations", "20", "--policies", "last_turn"],
     "curate": ["--rows", "300", "--workers", "1"],
     "regenerate": ["--engine", "hf", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1"],
+    "evaluate": ["--kind", "both", "--tokens", "40", "--hidden", "32", "--window", "16"],
 }
 
 

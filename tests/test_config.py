@@ -8,7 +8,7 @@ def test_tiny_config_loads_with_defaults_filled(tmp_path):
     cfg = load_config("configs/tiny.yaml")
     assert cfg.name == "tiny" and cfg.root == "./runs/tiny"
     assert cfg.drafter.block_size == 8 and cfg.train.lr == 3e-3
-    assert [s.name for s in cfg.curate.sources] == ["sharegpt", "openai", "alpaca", "prompts"]
+    assert [s.name for s in cfg.curate.sources] == ["sharegpt", "openai", "alpaca", "prompts", "eval_prompts"]
 
 
 def test_override_by_dotted_path_is_typed():

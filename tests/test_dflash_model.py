@@ -1,8 +1,8 @@
 """DFlash drafter module: config, mask rule, attention, sharing with the target, save/load.
 
-The mask tests come in pairs: the library's rule must pass a check, and the known
-peer bugs (`<=` at the anchor, causal mask inside a block, blocks seeing each
-other), rebuilt here on purpose, must fail that same check.
+The mask tests come in pairs: the library's rule must pass a check, and the library's
+rule with a known peer bug put back into its source (`<=` at the anchor, causal mask
+inside a block, blocks seeing each other; see tests/mutants.py) must fail that same check.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from draftflow.models.blocks import rope_cos_sin
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
 from tests.conftest import MASK_ID
+from tests.mutants import mutant
 
 
 @pytest.fixture(scope="module")
@@ -84,26 +85,23 @@ def reference_mask(anchors: list[int], B: int, C: int) -> torch.Tensor:
     return m
 
 
-def mask_with_inclusive_anchor(anchors, B, C):  # peer bug: `<=`
-    m = block_attention_mask(anchors, B, C)
-    for q in range(m.shape[0]):
-        m[q, int(anchors[q // B])] = True
-    return m
+# The known peer bugs, put back into the library's own `block_attention_mask` (tests/mutants.py).
+MASK_BUGS = {
+    "inclusive anchor": ("ctx_pos[None, :] < anchors", "ctx_pos[None, :] <= anchors"),  # `<=`
+    "causal in block": (
+        "sees_block = q_block[:, None] == q_block[None, :]",
+        "sees_block = (q_block[:, None] == q_block[None, :]) & torch.ones(n_q, n_q, dtype=torch.bool,"
+        " device=anchors.device).tril()",
+    ),
+    "blocks see each other": (
+        "sees_block = q_block[:, None] == q_block[None, :]",
+        "sees_block = torch.ones(n_q, n_q, dtype=torch.bool, device=anchors.device)",
+    ),
+}
 
 
-def mask_causal_in_block(anchors, B, C):  # peer bug: causal mask inside the block
-    m = block_attention_mask(anchors, B, C)
-    m[:, C:] &= torch.ones(m.shape[0], m.shape[0], dtype=torch.bool).tril()
-    return m
-
-
-def mask_blocks_see_each_other(anchors, B, C):  # peer bug: one shared bidirectional segment
-    m = block_attention_mask(anchors, B, C)
-    m[:, C:] = True
-    return m
-
-
-BUGGY_MASKS = [mask_with_inclusive_anchor, mask_causal_in_block, mask_blocks_see_each_other]
+def buggy_mask(bug: str):
+    return mutant(block_attention_mask, *MASK_BUGS[bug])
 
 
 def test_mask_exact_entries():
@@ -112,8 +110,8 @@ def test_mask_exact_entries():
     assert torch.equal(got, reference_mask(anchors, B, C))
     assert got[0, :3].all() and not got[0, 3:C].any()  # block 0 sees positions 0, 1, 2 only
     assert got[0, C : C + 4].all() and not got[0, C + 4 :].any()
-    for bad in BUGGY_MASKS:
-        assert not torch.equal(bad(torch.tensor(anchors), B, C), reference_mask(anchors, B, C))
+    for bug in MASK_BUGS:  # the library's rule with each bug put back fails the same comparison
+        assert not torch.equal(buggy_mask(bug)(torch.tensor(anchors), B, C), reference_mask(anchors, B, C)), bug
 
 
 # ----------------------------------------------------------------------------- behaviour through the model
@@ -173,13 +171,13 @@ def test_model_sees_only_what_the_rule_allows(drafter):
 @pytest.mark.parametrize(
     "bug, flag, value",
     [
-        (mask_with_inclusive_anchor, "anchor", True),
-        (mask_causal_in_block, "bidirectional", False),
-        (mask_blocks_see_each_other, "cross", True),
+        ("inclusive anchor", "anchor", True),
+        ("causal in block", "bidirectional", False),
+        ("blocks see each other", "cross", True),
     ],
 )
 def test_probe_catches_each_known_mask_bug(drafter, bug, flag, value):
-    assert probe(drafter, bug)[flag] is value
+    assert probe(drafter, buggy_mask(bug))[flag] is value
 
 
 # ----------------------------------------------------------------------------- numerics

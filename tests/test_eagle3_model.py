@@ -1,8 +1,9 @@
 """EAGLE-3: config, taps, the unroll mask and alignment, soft targets, the loss, training, export.
 
 Like the DFlash tests, the rule checks come in pairs: the library passes a check and a
-known bug (labels shifted by one, an unroll mask causal over steps), rebuilt here on
-purpose, fails that same check.
+known bug (inputs or targets shifted by one, put back into the library's own source with
+tests/mutants.py; an unroll mask causal over steps, patched into the library) fails that
+same check.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.stages.tokenize import draft_vocab
+from draftflow.training import batches as e3_batches
 from draftflow.training.batches import make_eagle3_batch
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import train_drafter
 from draftflow.training.objectives import eagle3_loss
 from tests.conftest import preempt_training
+from tests.mutants import put_back
 
 TAPS = [1, 2, 3]  # the 6-layer test target is too shallow for the default taps
 K = 3  # unroll steps
@@ -139,11 +142,8 @@ def _unroll_vs_chain(drafter, sample) -> float:
 def test_unroll_equals_chain_drafting_and_a_causal_over_steps_mask_does_not(drafter, samples, monkeypatch):
     assert _unroll_vs_chain(drafter, samples[0]) < 1e-5
 
-    def causal_over_steps(n_rows, step, device="cpu"):  # the bug: step i sees every earlier row of every step
-        row = torch.arange(n_rows, device=device)
-        return torch.cat([row[:, None] >= row[None, :]] * (step + 1), dim=1)
-
-    monkeypatch.setattr(e3, "ttt_attention_mask", causal_over_steps)
+    # The bug put back into the library's mask: step i sees every earlier row of every step.
+    put_back(monkeypatch, e3, "ttt_attention_mask", "[same_row] * step", "[causal] * step")
     assert _unroll_vs_chain(drafter, samples[0]) > 1e-3
 
 
@@ -181,12 +181,20 @@ def test_batch_alignment_exact_and_a_shift_by_one_is_caught(drafter, samples):
     assert b.step_ids[0, 0, :3].tolist() == s.input_ids[1:4].tolist()  # paired with x_{t+1}
     assert b.supervised[0, 0].tolist() == [*s.loss_mask[2:].tolist(), False]  # predicts x_{t+2}; last row none
     assert alignment_errors(b, s, drafter) == []
-    shifted = make_eagle3_batch(s, K)
-    shifted.step_ids = torch.roll(shifted.step_ids, -1, dims=-1)  # the peer bug: inputs one token ahead
-    assert alignment_errors(shifted, s, drafter)
-    late = make_eagle3_batch(s, K)
-    late.final = torch.roll(late.final, -1, dims=1)  # targets one position late
-    assert alignment_errors(late, s, drafter)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("ids[src.clamp(max=T - 1)]", "ids[(src + 1).clamp(max=T - 1)]"),  # the peer bug: inputs one token ahead
+        ("final=hidden[:, 3][None]", "final=hidden[:, 3].roll(-1, 0)[None]"),  # targets one position late
+        ("pred = src + 1", "pred = src + 2"),  # supervision one token late
+    ],
+)
+def test_the_alignment_guard_fails_on_each_shift_put_back(drafter, samples, monkeypatch, old, new):
+    """The library's `make_eagle3_batch` with a shift put back into its source fails `alignment_errors`."""
+    put_back(monkeypatch, e3_batches, "make_eagle3_batch", old, new)
+    assert alignment_errors(e3_batches.make_eagle3_batch(samples[0], K), samples[0], drafter)
 
 
 # ----------------------------------------------------------------------------- soft targets and loss

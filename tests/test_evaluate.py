@@ -6,10 +6,12 @@ import pytest
 import torch
 
 import draftflow.evaluation.decode as ev
+from draftflow import layers
 from draftflow.config import EvaluateConfig, TrainConfig
 from draftflow.drafters import dflash as dflash_kind
 from draftflow.drafters.dflash import draft_block
 from draftflow.errors import LosslessError
+from draftflow.evaluation.alignment import slot_alignment
 from draftflow.evaluation.decode import (
     acceptance_stats,
     capture_taps,
@@ -19,9 +21,11 @@ from draftflow.evaluation.decode import (
 )
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
+from draftflow.training import batches
 from draftflow.training.batches import make_block_batch
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B
+from tests.mutants import put_back
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,11 @@ def prompts():
     return torch.randint(0, MASK_ID, (8, 5), generator=g).tolist()
 
 
+TRAIN = TrainConfig(
+    epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu"
+)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, target, dcfg, prompts):
     """A drafter trained on the target's own greedy continuations of `prompts`."""
@@ -45,11 +54,8 @@ def trained(tmp_path_factory, target, dcfg, prompts):
         _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
         mask = torch.tensor([0] * len(p) + [1] * 19, dtype=torch.bool)
         samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), 3, 64)))
-    tcfg = TrainConfig(
-        epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu"
-    )
     out = tmp_path_factory.mktemp("drafter")
-    train_drafter(samples, target, dcfg, tcfg, str(out))
+    train_drafter(samples, target, dcfg, TRAIN, str(out))
     return DFlashDrafter.load(out, target).eval(), samples
 
 
@@ -72,16 +78,20 @@ def decoder_layer_outputs(target, ids) -> list[torch.Tensor]:
     return [o.reshape(len(ids), -1) for o in outs]
 
 
-def test_taps_are_decoder_layer_outputs_not_off_by_one(target):
-    ids = list(range(3, 15))
-    layer_ids = [0, 2, 4]  # the last layer is excluded: HF's final entry is after the final norm
+def tap_error(target, ids, layer_ids) -> float:
+    """Largest gap between `capture_taps` and the decoder layers' own outputs."""
     _, feats = capture_taps(target, ids, layer_ids)
     truth = decoder_layer_outputs(target, ids)
-    torch.testing.assert_close(feats, torch.cat([truth[lid] for lid in layer_ids], dim=-1))
-    with torch.no_grad():  # the peer bug: hidden_states[L] is the *input* of layer L
-        hs = target(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
-    off_by_one = torch.cat([hs[lid][0] for lid in layer_ids], dim=-1)
-    assert not torch.allclose(off_by_one, feats)
+    return float((feats - torch.cat([truth[lid] for lid in layer_ids], dim=-1)).abs().max())
+
+
+def test_taps_are_decoder_layer_outputs_not_off_by_one(target, monkeypatch):
+    ids = list(range(3, 15))
+    layer_ids = [0, 2, 4]  # the last layer is excluded: HF's final entry is after the final norm
+    assert tap_error(target, ids, layer_ids) < 1e-5
+    # The peer bug put back into the one offset table: hidden_states[L] (the *input* of layer L).
+    monkeypatch.setitem(layers.ENGINE_OFFSETS, "hf_hidden", 0)
+    assert tap_error(target, ids, layer_ids) > 1e-3
 
 
 def test_training_blocks_equal_inference_blocks(target, untrained, trained):
@@ -173,6 +183,33 @@ def test_lossless_untrained_and_trained(target, untrained, trained, prompts):
         assert r["prompts"] == 3 and r["tokens"] == 48
         assert len(r["acceptance_rate"]) == B - 1 and r["tau"] >= 1.0
     assert good["tau"] > base["tau"], (good, base)  # it learned the target's continuations
+    # ... and learned it at the right slots: a drafter trained on labels shifted by one also
+    # beats an untrained one here (repetitive continuations), but its slot k drafts token a+k+1.
+    al = slot_alignment(target, trained[0], continuations(trained[1]))
+    assert al["offset"] == 0 and al["match"][0] > max(al["match"][-1], al["match"][1]) + 0.1, al
+
+
+def continuations(samples) -> list[tuple[list[int], list[int]]]:
+    """(prompt, target's greedy continuation) of the training samples (prompt = unsupervised part)."""
+    return [(s.input_ids[~s.loss_mask].tolist(), s.input_ids[s.loss_mask].tolist()) for s in samples]
+
+
+@pytest.mark.slow  # ~5 s on 2 cores: a second training run and 2 x 8 speculative decodes
+def test_a_drafter_trained_on_shifted_labels_is_told_apart(monkeypatch, target, dcfg, trained, prompts, tmp_path):
+    """The peer bug (slot k learns token a+k+1) put back into the library's `make_block_batch`: the drafter
+    trained with it loses on tau and the alignment check names offset +1, on the same data and settings."""
+    put_back(monkeypatch, batches, "make_block_batch", "ids[pos], IGNORE", "ids[(pos + 1).clamp(max=T - 1)], IGNORE")
+    train_drafter(trained[1], target, dcfg, TRAIN, str(tmp_path))
+    monkeypatch.undo()  # evaluation and the alignment check use the library's own blocks
+    shifted = DFlashDrafter.load(tmp_path, target).eval()
+    ecfg = EvaluateConfig(max_new_tokens=16, device="cpu")
+    good = evaluate_prompts(target, trained[0], prompts, ecfg, set())
+    bad = evaluate_prompts(target, shifted, prompts, ecfg, set())
+    assert good["tau"] > bad["tau"] + 0.3, (good["tau"], bad["tau"])
+    al_good = slot_alignment(target, trained[0], continuations(trained[1]))
+    al_bad = slot_alignment(target, shifted, continuations(trained[1]))
+    assert (al_good["offset"], al_bad["offset"]) == (0, 1), (al_good, al_bad)
+    assert al_bad["match"][1] > al_bad["match"][0] + 0.1, al_bad
 
 
 def test_a_wrong_acceptance_rule_is_caught(monkeypatch, target, untrained, prompts):

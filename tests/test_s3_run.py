@@ -25,7 +25,7 @@ STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
 # What a run with a remote root may keep on local disk (see README "Runs on S3"): the built target,
 # content-keyed copies of shards it read, train's work folder (checkpoints while training) and the
 # target folder's fingerprint, keyed by its files' sizes and mtimes.
-LOCAL_CACHES = {"store", "train-work", "fingerprints"}
+LOCAL_CACHES = {"store", "train-work", "fingerprints", "features"}  # features: byte ranges streamed by train
 
 
 class _Collect(logging.Handler):
@@ -118,6 +118,9 @@ def test_nothing_lands_in_a_local_run_folder(s3_runs):
     cache = Path(os.environ["DRAFTFLOW_CACHE"])
     kept = {p.name for p in cache.iterdir()}
     assert kept - LOCAL_CACHES <= {p.name for p in cache.glob("tiny-*")}  # plus the built tiny target
+    features = [p for p in (cache / "store").rglob("*.safetensors") if p.name != "model.safetensors"]
+    assert not features  # feature shards were streamed, never downloaded (evaluate downloads the drafter)
+    assert list((cache / "features").rglob("*.bin"))
 
 
 def test_second_run_reuses_every_stage(s3_runs):

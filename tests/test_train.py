@@ -12,6 +12,7 @@ from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluation.decode import capture_taps
 from draftflow.features import FeatureSample
+from draftflow.training import batches
 from draftflow.training.batches import (
     IGNORE,
     build_training_batch,
@@ -24,6 +25,7 @@ from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import train_drafter
 from draftflow.training.objectives import default_gamma, dflash_loss, slot_weights
 from tests.conftest import MASK_ID, B, preempt_training
+from tests.mutants import put_back
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +87,69 @@ def test_block_inputs_and_labels_exact():
     assert m[:4, 10:].tolist() == [[True] * 4 + [False] * 4] * 4
 
 
-def test_labels_shifted_by_one_are_caught():
+def supervised_sample(T: int) -> FeatureSample:
+    """Distinct tokens, every position supervised: both bounds of the anchor rule are in play."""
+    return FeatureSample("all", torch.arange(10, 10 + T), torch.ones(T, dtype=torch.bool), torch.randn(T, 3, 8))
+
+
+def build_errors(T: int, block_size: int) -> list[str]:
+    """Every way the library's `build_training_batch` breaks the rule on `supervised_sample(T)`:
+    all anchors a with 1 <= a and a + B <= T (so the last block ends on token T-1, the last
+    token, which only it supervises at slot B-1), labels token a+k at slot k."""
+    s, want = supervised_sample(T), list(range(1, T - block_size + 1))
+    errs = []
+    try:
+        b = build_training_batch(s, block_size, 4 * T, torch.Generator().manual_seed(0), MASK_ID)
+    except IndexError as exc:  # an anchor whose block runs past the end
+        return [f"T={T} B={block_size}: {exc}"]
+    got = [] if b is None else b.anchors.tolist()
+    if got != want:
+        errs.append(f"T={T} B={block_size}: anchors {got} != {want}")
+    if b is not None:
+        errs += label_errors(b, s, block_size)
+        labelled = set(b.labels[b.labels != IGNORE].tolist())
+        if want and int(s.input_ids[T - 1]) not in labelled:
+            errs.append(f"T={T} B={block_size}: the last token is never a label")
+    return errs
+
+
+BOUNDS = [(10, 4), (9, 4), (5, 4), (4, 4), (3, 4), (17, 16), (16, 16), (24, 8)]
+
+
+def test_anchor_bound_includes_the_block_ending_on_the_last_token():
+    assert select_anchors(supervised_sample(10).loss_mask, B, 100, torch.Generator()).tolist() == [1, 2, 3, 4, 5, 6]
+    assert [e for T, b in BOUNDS for e in build_errors(T, b)] == []
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("pos + block_size <= T", "pos + block_size < T"),  # peer bug: the last token is never supervised
+        ("pos + block_size <= T", "pos + block_size <= T + 1"),  # a block that runs past the end
+        ("(pos >= 1)", "(pos >= 0)"),  # an anchor at 0 has no context at all
+    ],
+)
+def test_the_anchor_guard_fails_on_each_bound_bug_put_back(monkeypatch, old, new):
+    put_back(monkeypatch, batches, "select_anchors", old, new)
+    assert [e for T, b in BOUNDS for e in build_errors(T, b)]
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("ids[pos], IGNORE", "ids[(pos + 1).clamp(max=T - 1)], IGNORE"),  # peer bug: slot k learns token a+k+1
+        ("ids[pos], IGNORE", "ids[pos - 1], IGNORE"),  # slot k learns token a+k-1 (slot 1: the anchor again)
+        ("loss_mask.bool()[pos]", "loss_mask.bool()[anchors][:, None].expand_as(pos)"),  # the anchor's mask for all
+    ],
+)
+def test_the_label_guard_fails_on_each_label_bug_put_back(monkeypatch, old, new):
+    """The library's `make_block_batch` with a known bug put back fails `label_errors` (and the exact test)."""
     s = toy_sample()
-    b = make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID)
-    shifted = b.labels.clone().view(-1, B)
-    for j, a in enumerate([2, 5]):  # the peer bug: slot k learns token a+k+1
-        shifted[j, 1:] = torch.where(shifted[j, 1:] != IGNORE, s.input_ids[a + 2 : a + B + 1], IGNORE)
-    b.labels = shifted.view(1, -1)
-    assert label_errors(b, s, B)
+    assert label_errors(make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID), s, B) == []
+    put_back(monkeypatch, batches, "make_block_batch", old, new)
+    assert label_errors(batches.make_block_batch(s, torch.tensor([2, 5]), B, MASK_ID), s, B)
+    every = build_training_batch(s, B, 10, torch.Generator().manual_seed(0), MASK_ID)  # training's path
+    assert every.anchors.tolist() == [2, 3, 4, 5] and label_errors(every, s, B)
 
 
 def test_select_anchors_eligibility_and_uniformity():

@@ -18,7 +18,9 @@ What it does not know: templates or tokenizers; it only compares id lists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import gc
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +93,24 @@ class RowBuilder:
             return None
         return EncodedRow(self.ids[:end], self.mask[:end], [t for t, _, _ in kept],
                           [(start, stop) for _, start, stop in kept])
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold the cyclic garbage collector while a batch builds its rows, then restore it.
+
+    A batch allocates a few lists per row and no reference cycles; with the collector on, those
+    allocations trigger collections that walk every live object (the whole shard's conversations),
+    about a tenth of the encoding time on 10k conversations. Nothing is leaked: cycles made
+    meanwhile are collected at the next collection after the batch.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def check_policy(policy: str) -> None:

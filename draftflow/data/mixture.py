@@ -70,3 +70,23 @@ def shuffle_and_split(order: np.ndarray, keep: np.ndarray, eval_fraction: float)
     if eval_fraction > 0 and len(idx) > 1:
         n_eval = max(1, n_eval)
     return idx[n_eval:], idx[:n_eval]
+
+
+def split_rows(order: np.ndarray, keep: np.ndarray, source: np.ndarray, fixed: dict[int, str],
+               eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Like `shuffle_and_split`, but rows of a source with a fixed split (`SourceConfig.split`, source index ->
+    "train" | "eval") all go there; only the other rows are split by `eval_fraction`.
+
+    Both outputs stay in shuffle-key order, so without fixed sources this equals `shuffle_and_split`, and
+    adding an eval-only source leaves the other sources' train/eval split unchanged.
+    """
+    pinned = np.isin(source, list(fixed)) if fixed else np.zeros(len(order), bool)
+    train, evals = shuffle_and_split(order, keep & ~pinned, eval_fraction)
+    out = {"train": [train], "eval": [evals]}
+    for s, split in fixed.items():
+        out[split].append(np.flatnonzero(keep & (source == s)))
+    merged = []
+    for split in ("train", "eval"):
+        idx = np.concatenate(out[split]).astype(np.int64)
+        merged.append(idx[np.lexsort((idx, order[idx]))])
+    return merged[0], merged[1]

@@ -32,13 +32,13 @@ from draftflow.data.filters import (
     prompt_text,
 )
 from draftflow.data.readers import read_file, read_hf
-from draftflow.data.schema import CONVERSATION, REJECTED, sample_id, to_stored
+from draftflow.data.schema import CURATED, REJECTED, sample_id, to_stored
 from draftflow.data.sources import BadRow, to_conversation
 from draftflow.errors import ConfigError
 
 BATCH = 4096
 PREVIEW_CHARS = 160
-PART = pa.schema(list(CONVERSATION) + [
+PART = pa.schema(list(CURATED) + [
     pa.field("prompt_key", pa.uint64()), pa.field("order_key", pa.uint64()), pa.field("prompt_chars", pa.int32()),
     pa.field("prompt_tokens", pa.int32()), pa.field("minhash", pa.binary(dedup.NUM_PERM * 4)),
     pa.field("preview", pa.string()),
@@ -90,14 +90,27 @@ class Scanner:
         text = prompt_text(messages)
         prompt = Prompt(text, self.tokenizer)
         apply_filters(self.filters, prompt)
-        sid = sample_id(self.src.name, messages)
+        sid = sample_id(self.src.name, messages)  # the category is no part of the id: ids stay stable
         near = self.cfg.near_dup_threshold is not None
         return {
             "sample_id": sid, "source": self.src.name, "split": None, "messages": to_stored(messages),
-            "tools": tools, "prompt_key": dedup.prompt_key(messages), "order_key": dedup.order_key(self.cfg.seed, sid),
+            "tools": tools, "category": row_category(self.src, raw),
+            "prompt_key": dedup.prompt_key(messages), "order_key": dedup.order_key(self.cfg.seed, sid),
             "prompt_chars": len(text), "prompt_tokens": prompt.tokens, "preview": text[:PREVIEW_CHARS],
             "minhash": dedup.signature(text, self.cfg.near_dup_ngram) if near else None,
         }
+
+
+def row_category(src: SourceConfig, raw: dict[str, Any]) -> str | None:
+    """The row's evaluation category: its `src.category_field` column when set and non-empty, else
+    `src.category` (None: reports use the source's name). Raises `BadRow('bad_category')` for a
+    category column holding something other than a string or a number."""
+    value = raw.get(src.category_field) if src.category_field else None
+    if value is None or value == "":
+        return src.category
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise BadRow("bad_category", f"column {src.category_field!r} holds a {type(value).__name__}, not a name")
+    return str(value)
 
 
 def part_rows(src: SourceConfig, files: list[str]) -> Iterator[dict[str, Any] | BadRow]:

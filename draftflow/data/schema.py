@@ -44,6 +44,9 @@ TURN = pa.struct(
         ("completion_tokens", pa.int32()),
     ]
 )
+# Curate's output also keeps each row's evaluation category (`SourceConfig.category` / `category_field`;
+# null when the source sets none: reports then use the source's name). Later stages do not carry it.
+CURATED = CONVERSATION.append(pa.field("category", pa.string()))
 REGENERATED = CONVERSATION.append(pa.field("generated", pa.list_(TURN))).append(
     pa.field("provenance", pa.string())
 ).append(pa.field("enable_thinking", pa.bool_())).append(pa.field("finish_reason", pa.string()))

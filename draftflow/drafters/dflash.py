@@ -1,8 +1,9 @@
 """The DFlash kind (arXiv 2602.06036): block drafting from injected tap features.
 
 Its spec wires `draftflow.models.dflash` (model and config), the block objective, the block
-proposer used by evaluate (`draft_block`), the vLLM and speculators exporters and the train
-cost model. Taps: `drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
+proposer used by evaluate (`draft_block`, and `CachedBlockProposer` with a KV cache of the
+context), the vLLM and speculators exporters and the train cost model. Taps:
+`drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ def build(dcfg: DFlashConfig, target_model, draft_vocab=None) -> DFlashDrafter:
     return DFlashDrafter(dcfg, target_model)
 
 
+def _block(drafter: DFlashDrafter, anchor: int, C: int) -> tuple[torch.Tensor, ...]:
+    """block_ids, block_pos, ctx_pos and mask of the block [anchor, mask x (B-1)] placed at position C."""
+    cfg, device = drafter.config, drafter.fc.weight.device
+    block_ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[0, 0] = anchor
+    block_pos = torch.arange(C, C + cfg.block_size, device=device)[None]
+    ctx_pos = torch.arange(C, device=device)[None]
+    mask = block_attention_mask(torch.tensor([C], device=device), cfg.block_size, C)[None]
+    return block_ids, block_pos, ctx_pos, mask
+
+
 @torch.no_grad()
 def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch.Tensor:
     """Drafter logits (B, V) for the block [anchor, mask x (B-1)] placed at position C.
@@ -37,19 +49,44 @@ def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch
         anchor: the token at position C (the target's latest greedy token).
         ctx: (C, n_taps * D) tap features of positions 0..C-1 (strictly before the anchor).
     """
-    cfg, C = drafter.config, ctx.shape[0]
-    device = drafter.fc.weight.device
-    block_ids = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=device)
-    block_ids[0, 0] = anchor
-    block_pos = torch.arange(C, C + cfg.block_size, device=device)[None]
-    ctx_pos = torch.arange(C, device=device)[None]
-    mask = block_attention_mask(torch.tensor([C], device=device), cfg.block_size, C)[None]
-    return drafter(block_ids, block_pos, ctx[None].to(device), ctx_pos, mask)[0]
+    block_ids, block_pos, ctx_pos, mask = _block(drafter, anchor, ctx.shape[0])
+    return drafter(block_ids, block_pos, ctx[None].to(block_ids.device), ctx_pos, mask)[0]
 
 
 def propose(drafter: DFlashDrafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
     """Greedy drafts of slots 1..B-1 of the block anchored at len(seq)."""
     return draft_block(drafter, anchor, ctx)[1:].argmax(-1).tolist()
+
+
+class CachedBlockProposer:
+    """`propose` with the projected context's keys/values cached (`DFlashDrafter.context_kv`).
+
+    Only positions the target has accepted ever reach the drafter's context, so the cache only
+    grows: each step projects the newly accepted positions' features and appends them; rejected
+    drafts need no rollback here (the target's own cache is cropped by the decoding loop).
+    """
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (1, Hkv, C, hd)
+        self.length = 0  # C: context positions cached
+
+    def propose(self, seq: list[int], anchor: int, new_feats: torch.Tensor) -> list[int]:
+        return self.block_logits(seq, anchor, new_feats)[1:].argmax(-1).tolist()
+
+    @torch.no_grad()
+    def block_logits(self, seq: list[int], anchor: int, new_feats: torch.Tensor) -> torch.Tensor:
+        """`draft_block`'s logits (B, V) after appending `new_feats` (the rows up to len(seq)) to the cache."""
+        d, m = self.drafter, new_feats.shape[0]
+        device = d.fc.weight.device
+        pos = torch.arange(self.length, self.length + m, device=device)[None]
+        kv = d.context_kv(new_feats[None].to(device), pos)
+        if self.kv is not None:
+            kv = [(torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)) for (k0, v0), (k, v) in zip(self.kv, kv)]
+        self.kv, self.length = kv, self.length + m
+        assert self.length == len(seq), (self.length, len(seq))
+        block_ids, block_pos, ctx_pos, mask = _block(d, anchor, self.length)
+        return d.forward_cached(block_ids, block_pos, self.kv, ctx_pos, mask)[0]
 
 
 def drafts_per_step(drafter) -> int:
@@ -77,6 +114,7 @@ SPEC = DrafterSpec(
     build=build,
     objective=DFlashObjective,
     propose=propose,
+    cached_proposer=CachedBlockProposer,
     drafts_per_step=drafts_per_step,
     exporters={"vllm": export_vllm_dflash, "speculators": export_speculators},
     export_files=export_files,

@@ -1,6 +1,7 @@
 """The EAGLE-3 kind (arXiv 2503.01840): three fused taps, one layer, training-time-test unroll.
 
-Its spec wires `draftflow.models.eagle3` (model, config, chain drafting), the unroll objective,
+Its spec wires `draftflow.models.eagle3` (model, config, chain drafting; `CachedChainProposer` drafts
+the same chain from a KV cache of the target's rows), the unroll objective,
 the vLLM-native and speculators exporters and the train cost model. Feature shards also hold the
 target's final normed state (soft targets); training chooses a draft vocabulary from tokenize's counts.
 """
@@ -36,6 +37,54 @@ def propose(drafter: Eagle3Drafter, seq: list[int], anchor: int, ctx: torch.Tens
     return draft_chain(drafter, ctx, seq[1:] + [anchor], drafter.config.ttt_steps)[0]
 
 
+class CachedChainProposer:
+    """`propose` (`draft_chain`) with the keys/values of the target's rows cached.
+
+    Row p pairs the target's taps h_p with token p+1 at position p; with one layer and nothing
+    before it, its keys/values depend on that row alone, so a row is computed once, when the
+    target has read position p and produced token p+1, and kept. Only the newest rows are
+    queried. The chain's own rows (a draft's output hidden with its token) are speculative and
+    live for one step. A row's query sees every row up to itself (`draft_chain`'s causal mask).
+    """
+
+    def __init__(self, drafter: Eagle3Drafter):
+        self.drafter = drafter
+        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, Hkv, rows, hd) each
+        self.length = 0  # rows cached = positions the target has read
+
+    def _rows(self, ids: torch.Tensor, hidden: torch.Tensor, start: int, past: list) -> tuple[torch.Tensor, tuple]:
+        """Layer outputs (m, D) and keys/values of m rows at positions start.. after the `past` rows."""
+        m, c = ids.numel(), sum(k.shape[2] for k, _ in past)
+        pos = torch.arange(start, start + m, device=ids.device)
+        mask = torch.arange(c + m, device=ids.device)[None, :] <= c + torch.arange(m, device=ids.device)[:, None]
+        h, kv = self.drafter.step(ids[None], hidden[None], pos[None], past, mask[None])
+        return h[0], kv
+
+    def propose(self, seq: list[int], anchor: int, new_feats: torch.Tensor) -> list[int]:
+        return self.chain(seq, anchor, new_feats)[0]
+
+    @torch.no_grad()
+    def chain(self, seq: list[int], anchor: int, new_feats: torch.Tensor) -> tuple[list[int], list[torch.Tensor]]:
+        """`draft_chain`'s drafts and logits after appending the rows of `new_feats` (up to len(seq)) to the cache."""
+        d, n = self.drafter, len(seq)
+        device = d.fc.weight.device
+        ids = torch.tensor((seq + [anchor])[self.length + 1 : n + 1], dtype=torch.long, device=device)
+        assert ids.numel() == new_feats.shape[0], (ids.numel(), new_feats.shape)
+        hidden = d.fc(new_feats.to(device, d.fc.weight.dtype))  # (m, D) the new target rows
+        h, (k, v) = self._rows(ids, hidden, self.length, [self.kv] if self.kv else [])
+        if self.kv:
+            k, v = torch.cat([self.kv[0], k], dim=2), torch.cat([self.kv[1], v], dim=2)
+        self.kv, self.length = (k, v), n
+        past, g, drafts, logits = [self.kv], h[-1:], [], []  # g: the newest row's output hidden
+        for j in range(d.config.ttt_steps):
+            logits.append(d.logits(g[-1]))
+            drafts.append(int(d.draft_to_target(logits[-1].argmax()[None])))
+            if j + 1 < d.config.ttt_steps:  # draft j+1: this draft's hidden with its token, one position on
+                g, kv = self._rows(ids.new_tensor([drafts[-1]]), g, n + j, past)
+                past = past + [kv]
+        return drafts, logits
+
+
 def drafts_per_step(drafter) -> int:
     return drafter.ttt_steps
 
@@ -59,6 +108,7 @@ SPEC = DrafterSpec(
     build=build,
     objective=Eagle3Objective,
     propose=propose,
+    cached_proposer=CachedChainProposer,
     drafts_per_step=drafts_per_step,
     exporters={"vllm": export_eagle3_vllm, "speculators": export_eagle3_speculators},
     export_files=lambda fmt: EXPORT_FILES,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from draftflow.config import DrafterConfig, RunConfig, TrainConfig
 from draftflow.drafters.taps import TapRule
@@ -22,6 +22,15 @@ class DraftInputs:
 
     mask_token_id: int | None = None  # the tokenizer's mask token, else len(tokenizer) (DFlash)
     draft_vocab_size: int | None = None  # rows of the chosen draft vocabulary (EAGLE-3)
+
+
+class CachedProposer(Protocol):
+    """One prompt's drafting state kept across decoding steps (a KV cache of the drafter's context)."""
+
+    def propose(self, seq: list[int], anchor: int, new_feats: Any) -> list[int]:
+        """The drafts `DrafterSpec.propose(drafter, seq, anchor, ctx)` makes, where `new_feats` holds only the
+        rows of ctx this proposer has not seen yet (positions from its previous `len(seq)` to `len(seq) - 1`)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,8 @@ class DrafterSpec:
         build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.
         objective: (drafter config, train section) -> the training objective.
         propose: (drafter, seq, anchor, ctx features) -> greedy drafts (evaluate).
+        cached_proposer: (drafter) -> a fresh `CachedProposer` for one prompt (evaluate with
+            `evaluate.kv_cache`): the same drafts as `propose`, from cached drafter state.
         drafts_per_step: (drafter section or drafter config) -> most drafts one step can accept
             (= vLLM's `num_speculative_tokens`).
         exporters: per export format ("vllm", "speculators"), the function writing that folder.
@@ -59,6 +70,7 @@ class DrafterSpec:
     build: Callable[..., Any]
     objective: Callable[[Any, TrainConfig], Any]
     propose: Callable[..., list[int]]
+    cached_proposer: Callable[[Any], CachedProposer]
     drafts_per_step: Callable[[Any], int]
     exporters: Mapping[str, Callable[..., Any]]
     export_files: Callable[[str], tuple[str, ...]]

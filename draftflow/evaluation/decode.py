@@ -16,7 +16,8 @@ sampling (greedy only, temperature 0).
 Key trade-off: the target is re-run over the whole sequence every step (no KV
 cache). That is O(T^2) per step and slow, but every target call is the same
 plain forward pass that `greedy_generate` uses, so the lossless comparison is
-exact and the code is short. A KV-cached verifier is later work.
+exact and the code is short. It stays as the reference; the KV-cached loops
+(`draftflow.evaluation.cached`, the default through `evaluate.kv_cache`) must equal it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
+from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
 from draftflow.models.dflash import DFlashDrafter
 
@@ -69,11 +71,15 @@ def propose(drafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int
         seq: the tokens the target has read (positions 0..n-1); anchor: its newest token (position n).
         ctx: (n, n_taps * D) tap features of positions 0..n-1.
     """
+    if isinstance(drafter, Baseline):  # training-free proposers draft by themselves
+        return drafter.propose(seq, anchor, ctx)
     return spec_for_architecture(drafter.config.architecture).propose(drafter, seq, anchor, ctx)
 
 
 def drafts_per_step(drafter) -> int:
     """Most drafts one step can accept: B-1 (DFlash) or the chain depth (EAGLE-3)."""
+    if isinstance(drafter, Baseline):
+        return drafter.max_drafts
     return spec_for_architecture(drafter.config.architecture).drafts_per_step(drafter.config)
 
 
@@ -157,8 +163,13 @@ def evaluate_prompts(
     ecfg: EvaluateConfig,
     eos_ids: set[int],
     round_features: RoundFn | None = None,
+    generate: Callable[..., tuple[list[int], list[int]]] | None = None,
+    reference: Callable[..., list[int]] | None = None,
 ) -> dict:
     """Decode every prompt speculatively, check it against greedy, report acceptance.
+
+    This runs the loops it is given, by default the uncached reference ones here;
+    `draftflow.evaluation.cached.evaluate_prompts` chooses them by `ecfg.kv_cache`.
 
     Args:
         prompts: token id lists; the first `ecfg.num_prompts` are used (all when null).
@@ -166,32 +177,38 @@ def evaluate_prompts(
             caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
         round_features: the feature store's rounding (see `capture_taps`).
+        generate, reference: the speculative loop and the greedy reference (signatures of
+            `speculative_generate` and `greedy_generate`, which they default to).
 
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
         fraction of steps that accepted at least k drafts), accept_histogram, tokens,
         steps, prompts, tau_per_prompt (None where a prompt needed no drafting step), and
-        outputs (the generated tokens per prompt, equal to greedy; not for reports).
+        outputs (the generated tokens per prompt, equal to greedy; not for reports) and
+        accept_lengths (each prompt's acceptance length per step, for per-category stats; not for reports).
 
     Raises:
         LosslessError: speculative output differs from greedy (prompt index and position).
     """
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
     lengths: list[int] = []
-    outputs, per_prompt = [], []
+    outputs, per_prompt, per_step = [], [], []
     drafter.eval()
+    generate, reference = generate or speculative_generate, reference or greedy_generate
     for i, prompt in enumerate(chosen):
-        spec, acc = speculative_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
-        ref = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)
+        spec, acc = generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
+        ref = reference(target, prompt, ecfg.max_new_tokens, eos_ids)
         check_lossless(i, spec, ref)
         lengths += acc
         outputs.append(spec)
         per_prompt.append(sum(acc) / len(acc) if acc else None)
+        per_step.append(acc)
     return acceptance_stats(lengths, drafts_per_step(drafter) + 1) | {
         "tokens": sum(len(o) for o in outputs),
         "prompts": len(chosen),
         "tau_per_prompt": per_prompt,
         "outputs": outputs,
+        "accept_lengths": per_step,
     }
 
 

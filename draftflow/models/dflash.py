@@ -81,6 +81,22 @@ class Attention(nn.Module):
         y = attn_fn(q, k, v, mask, self.scale)  # (B, H, Q, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.n_head * self.hd))
 
+    def project_kv(self, h, rope):
+        """Rotated keys and values of states h (B, L, D) at the positions of `rope` -> each (B, Hkv, L, hd)."""
+        B, L, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, L, self.n_kv, self.hd)).transpose(1, 2)
+        v = self.v_proj(h).view(B, L, self.n_kv, self.hd).transpose(1, 2)
+        return apply_rope(k, *rope), v
+
+    def forward_cached(self, x, ctx_kv, rope_q, mask, attn_fn: AttentionFn):
+        """`forward` with the context's keys/values precomputed by `project_kv` (a decoding cache)."""
+        B, Q, _ = x.shape
+        q = apply_rope(self.q_norm(self.q_proj(x).view(B, Q, self.n_head, self.hd)).transpose(1, 2), *rope_q)
+        k, v = self.project_kv(x, rope_q)  # block keys at the block's own positions
+        k, v = torch.cat([ctx_kv[0], k], dim=2), torch.cat([ctx_kv[1], v], dim=2)  # (B, Hkv, C+Q, hd)
+        y = attn_fn(q, k, v, mask, self.scale)
+        return self.o_proj(y.transpose(1, 2).reshape(B, Q, self.n_head * self.hd))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
@@ -94,6 +110,10 @@ class DecoderLayer(nn.Module):
         # DFlash: ctx is already normed by `hidden_norm`, so only the block goes through
         # input_layernorm; the same ctx enters every layer.
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, attn_fn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_cached(self, x, ctx_kv, rope_q, mask, attn_fn):
+        x = x + self.self_attn.forward_cached(self.input_layernorm(x), ctx_kv, rope_q, mask, attn_fn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -148,6 +168,37 @@ class DFlashDrafter(SharedTargetDrafter):
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, rope_q, rope_k, masks[cfg.layer_type(i)], ATTENTION_BACKENDS[backend])
         return self.norm(x)
+
+    def context_kv(self, ctx_hidden: torch.Tensor, ctx_pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values of the projected context features: what a decoding loop caches.
+
+        A context position is never a query, so its keys/values depend on its own features and
+        position only: computed once when the position is accepted, appended, never recomputed.
+
+        Args:
+            ctx_hidden: (B, C, n_taps*D) target features; ctx_pos: (B, C) their absolute positions.
+
+        Returns:
+            Per layer (k, v), each (B, Hkv, C, hd), keys rotated to `ctx_pos`.
+        """
+        dtype = self.fc.weight.dtype
+        ctx = self.hidden_norm(self.fc(ctx_hidden.to(dtype)))  # (B, C, D)
+        rope_k = rope_cos_sin(ctx_pos, self.config.head_dim, self.config.rope_theta, dtype)
+        return [layer.self_attn.project_kv(ctx, rope_k) for layer in self.layers]
+
+    def forward_cached(self, block_ids, block_pos, ctx_kv, ctx_pos, attn_mask) -> torch.Tensor:
+        """`forward` with the context given as `context_kv`'s keys/values: the same logits up to float
+        rounding, at a cost independent of the context's features (attention still reads all C keys)."""
+        dtype = self.fc.weight.dtype
+        x = self.embed_tokens(block_ids).to(dtype)  # (B, Q, D)
+        cfg = self.config
+        rope_q = rope_cos_sin(block_pos, cfg.head_dim, cfg.rope_theta, dtype)
+        key_pos = torch.cat([ctx_pos, block_pos], dim=1)  # (B, C+Q)
+        backend = resolve_backend(cfg.attn_backend, x.device)
+        masks = self._layer_masks(attn_mask, block_pos, key_pos, MASK_PREPARERS[backend])
+        for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv, strict=True)):
+            x = layer.forward_cached(x, kv, rope_q, masks[cfg.layer_type(i)], ATTENTION_BACKENDS[backend])
+        return self.lm_head(self.norm(x).to(self.lm_head.weight.dtype))
 
     def _layer_masks(self, attn_mask, block_pos, key_pos, prepare) -> dict[str, Any]:
         """The full mask and, when some layer slides, its sliding-window narrowing."""

@@ -36,7 +36,7 @@ from draftflow.data import dedup, mixture, stats
 from draftflow.data.filters import needs_tokens
 from draftflow.data.readers import check_source, file_keys, source_files, source_key
 from draftflow.data.scan import scan_local
-from draftflow.data.schema import CONVERSATION
+from draftflow.data.schema import CURATED
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages.common import finalize
 from draftflow.store import Store, digest, shard_entry
@@ -47,7 +47,7 @@ PARTS = "parts"
 MAX_PARTS = 64  # scan units per stage: Prefect task runs stay in the tens
 MERGE_BUDGET_BYTES = 512 << 20  # partial data held while writing one group of output shards
 PNG = "prompt_lengths.png"
-OUT_COLUMNS = ["sample_id", "source", "messages", "tools"]
+OUT_COLUMNS = ["sample_id", "source", "messages", "tools", "category"]
 
 
 def check_sources(cfg: CurateConfig) -> None:
@@ -204,7 +204,8 @@ def decide(cfg: CurateConfig, keys: dict[str, np.ndarray]) -> dict[str, Any]:
     available = {src.name: int(np.sum(alive & (keys["source"] == i))) for i, src in enumerate(cfg.sources)}
     quota = mixture.quotas(cfg, available)
     keep = mixture.select(keys["order_key"], keys["source"], alive, [quota[s.name] for s in cfg.sources])
-    train, evals = mixture.shuffle_and_split(keys["order_key"], keep, cfg.eval_fraction)
+    fixed = {i: src.split for i, src in enumerate(cfg.sources) if src.split}  # eval-only / train-only sources
+    train, evals = mixture.split_rows(keys["order_key"], keep, keys["source"], fixed, cfg.eval_fraction)
     return {"duplicate": exact, "near_duplicate": near, "mixture_cap": alive & ~keep, "keep": keep,
             "anchor": anchor, "similarity": sim, "train": train, "eval": evals, "available": available,
             "quota": quota}
@@ -273,7 +274,7 @@ def write_outputs(store: Store, fp: str, cfg: CurateConfig, scans: list[ShardRes
             part = table.slice(start - group[0][2], stop - start)
             out = pa.table({"sample_id": part["sample_id"], "source": part["source"],
                             "split": pa.array([split] * part.num_rows, pa.string()), "messages": part["messages"],
-                            "tools": part["tools"]}).cast(CONVERSATION).combine_chunks()
+                            "tools": part["tools"], "category": part["category"]}).cast(CURATED).combine_chunks()
             with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
                 pq.write_table(out, tmp, compression="zstd")
                 entries.append(shard_entry(name, tmp, rows=out.num_rows, split=split))

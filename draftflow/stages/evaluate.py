@@ -21,11 +21,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from draftflow.config import RunConfig
+from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
+from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
+from draftflow.evaluation.selection import prompt_set
+from draftflow.evaluation.suite import add_comparisons
+from draftflow.evaluation.summary import draw_plots, headline
+from draftflow.evaluation.summary import markdown as evaluation_markdown
 from draftflow.features import round_trip
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
@@ -45,13 +50,40 @@ def first_prompt(messages: list[dict]) -> list[dict]:
     return out
 
 
-def eval_prompts(store: Store, curated: StageResult, chat, enable_thinking: bool) -> list[list[int]]:
+def eval_rows(store: Store, curated: StageResult) -> list[dict[str, Any]]:
+    """Curate's eval split, in its (shuffled) order; checksums verified."""
     rows = []
     for shard in curated.manifest.data_shards("eval"):
         rows += read_rows(store.verify_sha("curate", curated.fingerprint, shard))
     if not rows:
-        raise ConfigError("no eval prompts: set curate.eval_fraction above 0 so curate keeps an eval split")
-    return [chat.prompt_ids(first_prompt(r["messages"]), **template_kwargs(r, enable_thinking)) for r in rows]
+        raise ConfigError("no eval prompts: set curate.eval_fraction above 0, or `split: eval` on a curate source, "
+                          "so curate keeps an eval split")
+    return rows
+
+
+def eval_set(store: Store, curated: StageResult, chat, enable_thinking: bool,
+             ecfg: EvaluateConfig | None = None) -> tuple[list[list[int]], list[str], int, list[str]]:
+    """(prompt ids, their categories, eval rows in all, their sample ids): the prompts `ecfg` selects
+    (`evaluate.categories`, then `num_prompts` round-robin over categories: `draftflow.evaluation.selection.select`);
+    all without `ecfg`.
+
+    Raises:
+        ConfigError: no eval split, or a category in `evaluate.categories` that no eval prompt has.
+    """
+    from draftflow.evaluation.selection import row_category, select
+
+    rows = eval_rows(store, curated)
+    cats = [row_category(r) for r in rows]
+    chosen = select(cats, ecfg.categories, ecfg.num_prompts) if ecfg else list(range(len(rows)))
+    prompts = [chat.prompt_ids(first_prompt(rows[i]["messages"]), **template_kwargs(rows[i], enable_thinking))
+               for i in chosen]
+    return prompts, [cats[i] for i in chosen], len(rows), [rows[i]["sample_id"] for i in chosen]
+
+
+def eval_prompts(store: Store, curated: StageResult, chat, enable_thinking: bool,
+                 ecfg: EvaluateConfig | None = None) -> list[list[int]]:
+    """The prompt ids of `eval_set`."""
+    return eval_set(store, curated, chat, enable_thinking, ecfg)[0]
 
 
 def load_drafter(store: Store, trained: StageResult, model):
@@ -84,7 +116,23 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
                   "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
         lines += [f"| {fmt} | {_tau(r['tau'])} | {_tau(stats['tau'])} | {r['drafts']} | yes |"
                   for fmt, r in stats["vllm"].items()]
+    if "categories" in stats:  # categories, baselines, projected speedup and their plots
+        lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
+    if "ddtree" in stats:
+        lines += render_ddtree(stats["ddtree"])
     return "\n".join(lines) + "\n"
+
+
+def write_plots(store: Store, fp: str, stats: dict[str, Any]) -> list[ShardEntry]:
+    """Draw the evaluation plots beside report.md; their shard entries (`stats['plots']` names them)."""
+    entries = []
+    with tempfile.TemporaryDirectory(prefix="draftflow-plots-") as folder:
+        stats["plots"] = draw_plots(stats, folder) + plot_ddtree(stats.get("ddtree"), folder)
+        for name in stats["plots"]:
+            with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
+                Path(tmp).write_bytes((Path(folder) / name).read_bytes())
+                entries.append(shard_entry(name, tmp, rows=0))
+    return entries
 
 
 def _drafting(cfg: RunConfig) -> str:
@@ -95,10 +143,11 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
         curated: StageResult, trained: StageResult) -> Manifest:
     """Measure τ on the eval prompts; fail if decoding is not lossless."""
     from draftflow.chat import ChatFormat
-    from draftflow.evaluation.decode import evaluate_prompts
+    from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
-    prompts = eval_prompts(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
+    prompts, categories, n_eval, ids = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
+                                                cfg.evaluate)
     drafter = load_drafter(store, trained, model)
     # Draft from features rounded like the stored ones the drafter was trained on.
     n_taps = len(drafter.config.target_layer_ids)
@@ -106,22 +155,28 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     eos = eos_token_ids(model, tokenizer)
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
+    add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
+    stats["prompt_set"] = prompt_set(ids[: stats["prompts"]])  # which prompts: runs compare only on equal sets
     outputs = stats.pop("outputs")
+    # DFlash only (None otherwise): τ per DDTree budget, checked against the greedy outputs just verified.
+    stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
+                                      cfg.evaluate, eos, rounding, reference=outputs)
     if cfg.evaluate.engine == "vllm":
         stats["vllm"] = serve_exports(store, cfg, target, trained, prompts[: len(outputs)], outputs, stats["tau"],
                                       sorted(eos))
-    entries = []
+    entries = write_plots(store, fp, stats)
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
             Path(tmp).write_text(text)
             entries.append(shard_entry(name, tmp, rows=0))
     n = stats["prompts"]
-    dropped = {"not_selected": len(prompts) - n} if len(prompts) > n else {}
-    results = [ShardResult(shard=None, rows_in=len(prompts), rows_out=n, dropped=dropped)]
+    dropped = {"not_selected": n_eval - n} if n_eval > n else {}
+    results = [ShardResult(shard=None, rows_in=n_eval, rows_out=n, dropped=dropped)]
     results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
-             "report": "report.md"}  # relative to the stage folder
+             "report": "report.md", "evaluation": headline(stats),  # paths relative to the stage folder
+             "ddtree": ddtree_taus(stats["ddtree"])}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
 
 

@@ -68,6 +68,17 @@ def _keep_rows(row: dict, encoded: list, tcfg: TokenizeConfig, minimum: int) -> 
     return out, drops
 
 
+def count_supervised(freq: Counter, ids: list[int], mask: list[int]) -> None:
+    """Add the ids under mask 1 to `freq`, a run of supervised ids at a time (a 0/1 mask)."""
+    flags = bytes(mask)
+    start = flags.find(1)
+    while start != -1:
+        end = flags.find(0, start)
+        end = len(flags) if end == -1 else end
+        freq.update(ids[start:end])
+        start = flags.find(1, end)
+
+
 def _request(row: dict):
     from draftflow.chat import EncodeRequest
 
@@ -90,7 +101,14 @@ def encode_rows(rows: list[dict], target_path: str, tcfg: TokenizeConfig, minimu
     Returns:
         rows, rejects, dropped (conversations by reason), seq_drops (sequences by reason), freq.
     """
+    from draftflow.chat.encode import gc_paused
+
     chat = _chat(target_path)
+    with gc_paused():  # the rows are many lists and no cycles: see gc_paused
+        return _encode_rows(rows, chat, tcfg, minimum)
+
+
+def _encode_rows(rows: list[dict], chat: Any, tcfg: TokenizeConfig, minimum: int) -> dict[str, Any]:
     out, rejects, dropped, seq_drops, freq = [], [], Counter(), Counter(), Counter()
     results = chat.encode_many([_request(r) for r in rows], None, tcfg.policy)
     for row, result in zip(rows, results):
@@ -105,7 +123,7 @@ def encode_rows(rows: list[dict], target_path: str, tcfg: TokenizeConfig, minimu
             dropped[reason] += 1
             rejects.append(reject(row["source"], reason, detail, row["sample_id"]))
         for r in kept:
-            freq.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+            count_supervised(freq, r["input_ids"], r["loss_mask"])
         out += kept
     return {"rows": out, "rejects": rejects, "dropped": dropped, "seq_drops": seq_drops, "freq": freq}
 

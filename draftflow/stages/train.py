@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export_readme import portable_target_name, serve_command, speculative_settings
+from draftflow.feature_stream import open_features
 from draftflow.stages.common import finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
 from draftflow.target import TargetRef
@@ -43,10 +45,16 @@ EXPORT_FORMATS = ("vllm", "speculators")  # serving exports, under export/<forma
 
 
 def work_dir(store: Store, fp: str) -> str:
+    """Where training runs: in the stage folder on a local root, else under this node's cache directory."""
     if store.is_local:
         return store.stage_path(STAGE, fp, "work")
     key = hashlib.sha256(store.stage_path(STAGE, fp).encode()).hexdigest()[:16]
     return str(default_cache_dir() / "train-work" / key)
+
+
+def launch_url(store: Store, fp: str) -> str:
+    """A remote root's launch folder in the store: the spec every node's torchrun reads, results, errors."""
+    return store.url(store.stage_path(STAGE, fp, "work", "launch"))
 
 
 def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
@@ -76,9 +84,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     extra = {"checkpoint": "checkpoint", "metrics": metrics, "trained_tokens": tokens, "features": cfg.extract.mode,
              "export": exports, "files": files}
     manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
-    # The stage is complete: its resume copies (checkpoints, work copies of the exports) are no longer needed.
-    if mirror and store.fs.exists(mirror):
-        store.fs.rm(mirror, recursive=True)
+    # The stage is complete: its resume copies (checkpoints, the launch folder) are no longer needed.
+    if mirror and store.fs.exists(store.stage_path(STAGE, fp, "work")):
+        store.fs.rm(store.stage_path(STAGE, fp, "work"), recursive=True)
     if not store.is_local:  # the local work folder of a remote root (finalize removed a local root's)
         shutil.rmtree(out, ignore_errors=True)
     return manifest
@@ -104,6 +112,10 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
     release_gpu_models()
     spec = {"config": cfg.model_dump(mode="json"), "target": {"path": target.path, "fingerprint": target.fingerprint},
             "features": features.model_dump(mode="json"), "out_dir": out, "mirror": mirror}
+    if mirror and cfg.train.nnodes > 1:  # nodes share only the store: the launch folder is there, work folders not
+        fp = mirror.split("/")[-3]  # <root>/train/<fp>/work/checkpoints
+        spec |= {"exchange": launch_url(store, fp), "node_work": str(Path(out).relative_to(default_cache_dir())),
+                 "first_node": socket.gethostname()}
     result = launch_training(spec, cfg.train, out)
     target_config = AutoConfig.from_pretrained(str(Path(out) / "launch" / "target"))  # rank 0's, as loaded there
     return Trained(result["metrics"], target_config, result["rows"], result["tokens"])
@@ -129,11 +141,13 @@ def release_gpu_models() -> None:
 
 
 def prefetch_inputs(store: Store, cfg: RunConfig, features: FeatureSource) -> None:
-    """Download (and checksum) every input shard of training into the local cache."""
-    stage, fp = ("tokenize", features.tokenize_fingerprint) if isinstance(features, OnlineFeatures) else \
-        ("extract", features.fingerprint)
-    for s in features.shards:
-        store.verify_sha(stage, fp, s)
+    """Download (and checksum) every input shard of training into the local cache; feature shards with
+    per-sample checksums are only opened (their indexes read): the ranks stream them (`draftflow.feature_stream`)."""
+    if isinstance(features, OnlineFeatures):
+        for s in features.shards:
+            store.verify_sha("tokenize", features.tokenize_fingerprint, s)
+    else:
+        open_features(store, "extract", features.fingerprint, features.shards)
     if drafter_spec(cfg.drafter.kind).draft_vocab:
         token_counts(store, features)
 

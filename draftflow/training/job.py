@@ -27,7 +27,8 @@ from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry, token
 from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
-from draftflow.features import STORED, FeatureSample, load_samples, round_trip
+from draftflow.feature_stream import open_features
+from draftflow.features import STORED, FeatureSample, round_trip
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
 from draftflow.store import Store
@@ -127,8 +128,8 @@ def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFla
         samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.feature_ids)
         return samples, samples.tokens
     check_taps(dcfg, features.shards)
-    samples = load_samples([store.verify_sha("extract", features.fingerprint, s) for s in features.shards])
-    return samples, sum(int(s.input_ids.numel()) for s in samples)
+    source = open_features(store, "extract", features.fingerprint, features.shards)  # streamed on remote roots
+    return source, source.tokens  # read per step, by the ranks that train on them
 
 
 class OnlineSamples:

@@ -18,6 +18,15 @@ When (`use_torchrun`): `train.launcher=torchrun` always; `auto` when training ne
 one process or runs on CUDA (its own process gives a hard timeout, `train.timeout_s`, and
 returns all GPU memory when it exits); otherwise in-process (CPU, one process: tests, demo).
 
+Several nodes (`train.nnodes`): every node runs the same torchrun command (the parent logs it)
+and c10d assigns ranks, so rank 0 may run on any node. On a local root the launch folder must be
+reachable from every node (a shared filesystem). On a remote root nothing is shared but the store:
+the launch folder (spec, result, error files, rank 0's final files) lives in the store
+(`Exchange`), each node trains in its own local work folder (`spec["node_work"]`, under its
+`DRAFTFLOW_CACHE`), every node resumes from the newest checkpoint copied to the store
+(`draftflow.training.mirror.align_with_store`), and rank 0 publishes the trained drafter to the
+store before a barrier lets any rank exit, so the parent finds it whichever node held rank 0.
+
 What it does not know: Prefect, stages (the spec is what the train stage passes; the child runs
 `draftflow.training.job`, imported lazily so the parent does not load it), the model.
 """
@@ -28,6 +37,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +45,9 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
@@ -83,20 +96,77 @@ def launch_training(spec: dict[str, Any], tcfg: TrainConfig, work: str) -> dict[
     """
     folder = Path(work) / LAUNCH_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    for stale in [folder / "result.json", *folder.glob("error-rank*.json")]:
-        stale.unlink(missing_ok=True)  # only this attempt's files may speak for it
-    spec_path = _write_json_atomic(folder / "spec.json", spec)
-    cmd = torchrun_command(tcfg, "draftflow.training.launch", [str(spec_path)])
+    exchange = Exchange(spec.get("exchange") or str(folder))
+    exchange.clear()  # only this attempt's files may speak for it
+    spec_url = exchange.write_json("spec.json", spec)
+    cmd = torchrun_command(tcfg, "draftflow.training.launch", [spec_url])
     if tcfg.nnodes > 1:
-        log.info("multi-node training: run on every other node, with %s reachable there: %s", work, " ".join(cmd))
+        where = "" if exchange.remote else f", with {work} reachable there (a shared filesystem)"
+        log.info("multi-node training: run on every other node%s: %s", where, " ".join(cmd))
     log_path = folder / "torchrun.log"
     rc, tail = _run_streaming(cmd, log_path, tcfg.timeout_s)
     if rc != 0:
-        raise _failure(rc, folder, log_path, tail, tcfg)
-    result = folder / "result.json"
-    if not result.is_file():
-        raise TrainingCrashed(f"torchrun exited 0 but rank 0 wrote no {result}; see {log_path}")
-    return json.loads(result.read_text())
+        raise _failure(rc, exchange, log_path, tail, tcfg)
+    result = exchange.read_json("result.json")
+    if result is None:
+        raise TrainingCrashed(f"torchrun exited 0 but rank 0 wrote no {exchange.url}/result.json; see {log_path}")
+    if exchange.remote:  # rank 0 may have run on another node: its drafter comes through the store
+        exchange.fetch(work)
+    return result
+
+
+class Exchange:
+    """The launch folder the parent and every rank share: spec, result, error files, rank 0's outputs.
+
+    A local folder (one node, or several on a shared filesystem), or a folder in the store
+    (`s3://…`) on remote roots, where one PUT per file never exposes a partial object. Listings
+    are re-read every time: another node writes here.
+    """
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.fs, self.path = fsspec.core.url_to_fs(self.url)
+        self.remote = not isinstance(self.fs, LocalFileSystem)
+
+    def _at(self, name: str) -> str:
+        return f"{self.path}/{name}"
+
+    def write_json(self, name: str, data: dict[str, Any]) -> str:
+        """Write `name` whole (atomically); return its URL."""
+        if not self.remote:
+            return str(_write_json_atomic(Path(self._at(name)), data))
+        self.fs.pipe_file(self._at(name), json.dumps(data, indent=2, sort_keys=True).encode())
+        return self.fs.unstrip_protocol(self._at(name))
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        self.fs.invalidate_cache()
+        return json.loads(self.fs.cat_file(self._at(name))) if self.fs.exists(self._at(name)) else None
+
+    def errors(self) -> list[dict[str, Any]]:
+        self.fs.invalidate_cache()
+        return [json.loads(self.fs.cat_file(p)) for p in self.fs.glob(self._at("error-rank*.json"))]
+
+    def clear(self) -> None:
+        """Remove a previous attempt's result, error files and outputs."""
+        self.fs.invalidate_cache()
+        for path in [self._at("result.json"), self._at("out"), *self.fs.glob(self._at("error-rank*.json"))]:
+            if self.fs.exists(path):
+                self.fs.rm(path, recursive=True)
+
+    def publish(self, out_dir: str) -> None:
+        """Rank 0, remote: copy the drafter's files (`out_dir`'s top level) and the target's config here."""
+        for f in sorted(Path(out_dir).iterdir()):
+            if f.is_file():
+                self.fs.put_file(str(f), self._at(f"out/{f.name}"))
+        self.fs.put_file(str(Path(out_dir) / LAUNCH_DIR / "target" / "config.json"), self._at("out/target/config.json"))
+
+    def fetch(self, work: str) -> None:
+        """The parent, remote: rank 0's published files into the local work folder, where rank 0 puts them."""
+        (Path(work) / LAUNCH_DIR / "target").mkdir(parents=True, exist_ok=True)
+        self.fs.get_file(self._at("out/target/config.json"), str(Path(work) / LAUNCH_DIR / "target" / "config.json"))
+        for p in self.fs.ls(self._at("out"), detail=False):
+            if self.fs.isfile(p):
+                self.fs.get_file(p, str(Path(work) / p.rstrip("/").rsplit("/", 1)[-1]))
 
 
 def _run_streaming(cmd: list[str], log_path: Path, timeout_s: float | None) -> tuple[int, list[str]]:
@@ -149,15 +219,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
-def _failure(rc: int, folder: Path, log_path: Path, tail: list[str], tcfg: TrainConfig) -> Exception:
-    """The one-line error for a failed launch, from the rank that failed first.
+def _failure(rc: int, folder: Path | Exchange, log_path: Path, tail: list[str], tcfg: TrainConfig) -> Exception:
+    """The one-line error for a failed launch, from the rank that failed first (on any node).
 
     A user error on any rank wins: when one rank raises, its peers fail inside their next
     collective ("connection closed by peer") and write error files of their own, which
     must not turn a bad input into a retried crash. Otherwise the earliest error counts.
     """
-    errors = sorted((json.loads(p.read_text()) for p in folder.glob("error-rank*.json")),
-                    key=lambda e: (not e["user_error"], e["time"]))
+    exchange = folder if isinstance(folder, Exchange) else Exchange(str(folder))
+    errors = sorted(exchange.errors(), key=lambda e: (not e["user_error"], e["time"]))
     if rc == -1:
         return TrainingCrashed(f"training exceeded train.timeout_s={tcfg.timeout_s:g} s and was killed; "
                                f"it resumes from its last checkpoint on a retry; log: {log_path}")
@@ -190,15 +260,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         log.error("usage: python -m draftflow.training.launch <spec.json> (run by the train stage under torchrun)")
         return 2
-    spec_path = Path(args[0])
+    folder, _, name = args[0].rpartition("/")  # a local path or a URL in the store
+    exchange = Exchange(folder or ".")
     try:
-        _run_rank(json.loads(spec_path.read_text()), spec_path.parent, rank)
+        _run_rank(exchange.read_json(name), exchange, rank)
     except BaseException as exc:  # noqa: BLE001  (reported to the parent, then a non-zero exit)
         log.exception("rank %d failed", rank)
         message = " ".join(str(exc).split()) or repr(exc)
-        _write_json_atomic(spec_path.parent / f"error-rank{rank}.json",
-                           {"rank": rank, "type": type(exc).__name__, "message": message,
-                            "user_error": isinstance(exc, DraftflowError), "time": time.time()})
+        exchange.write_json(f"error-rank{rank}.json", {"rank": rank, "type": type(exc).__name__, "message": message,
+                                                       "user_error": isinstance(exc, DraftflowError),
+                                                       "time": time.time()})
         return 1
     finally:
         import torch.distributed as dist
@@ -208,22 +279,75 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_rank(spec: dict[str, Any], folder: Path, rank: int) -> None:
+def _run_rank(spec: dict[str, Any] | None, exchange: Exchange, rank: int) -> None:
     from draftflow.config import RunConfig
     from draftflow.contracts import read_feature_source
-    from draftflow.store import Store
-    from draftflow.target import TargetRef
+    from draftflow.store import Store, default_cache_dir
     from draftflow.training.job import train_here
 
+    if spec is None:
+        raise ConfigError(f"no spec.json in {exchange.url}: start the train stage on the first node, then run "
+                          "the command it logs on the others")
     cfg = _bind_device(RunConfig.model_validate(spec["config"]))
-    features = read_feature_source(spec["features"])
-    trained = train_here(Store(cfg.root), cfg, TargetRef(**spec["target"]), features, spec["out_dir"],
-                         spec.get("mirror"))
+    store = Store(cfg.root)
+    out = spec["out_dir"]
+    if spec.get("node_work"):  # several nodes on a remote root: this node's own work folder, aligned with the store
+        out = str(default_cache_dir() / spec["node_work"])
+        _align_checkpoints(store, cfg, spec["mirror"], out)
+    trained = train_here(store, cfg, _node_target(cfg, spec["target"]), read_feature_source(spec["features"]),
+                         out, spec.get("mirror"))
     if rank == 0:
-        (folder / "target").mkdir(exist_ok=True)
-        trained.target_config.to_json_file(str(folder / "target" / "config.json"))
-        _write_json_atomic(folder / "result.json", {"metrics": trained.metrics, "rows": trained.rows,
-                                                    "tokens": trained.tokens})
+        (Path(out) / LAUNCH_DIR / "target").mkdir(parents=True, exist_ok=True)
+        trained.target_config.to_json_file(str(Path(out) / LAUNCH_DIR / "target" / "config.json"))
+        if exchange.remote:
+            exchange.publish(out)
+        exchange.write_json("result.json", {"metrics": trained.metrics, "rows": trained.rows,
+                                            "tokens": trained.tokens})
+    _barrier()  # no node's torchrun exits (and ends the parent's wait) before rank 0 has published
+    if spec.get("node_work") and int(os.environ.get("LOCAL_RANK", "0")) == 0 and not _first_nodes(spec, out):
+        shutil.rmtree(out, ignore_errors=True)  # another node's work folder: the first node commits the outputs
+
+
+def _first_nodes(spec: dict[str, Any], out: str) -> bool:
+    """Whether `out` is the work folder the parent (the train stage) commits from: its host, its path."""
+    import socket
+
+    return (socket.gethostname(), out) == (spec.get("first_node"), spec["out_dir"])
+
+
+def _align_checkpoints(store, cfg, mirror: str, out: str) -> None:
+    """Local rank 0 makes the store's newest checkpoint this node's newest; the node's ranks wait for it."""
+    import torch
+
+    from draftflow.target import resolve_device
+    from draftflow.training.distributed import init_distributed
+    from draftflow.training.mirror import align_with_store
+
+    init_distributed(torch.device(resolve_device(cfg.train.device)))  # train_drafter reuses the group
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        align_with_store(store, mirror, out)
+    _barrier()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _node_target(cfg, ref: dict[str, str]):
+    """The target as the parent resolved it; the built-in tiny target is rebuilt in this node's cache when the
+    parent's copy is not on this node (a hub id or a folder at the same path on every node is used as is)."""
+    from draftflow.target import TargetRef, resolve_target
+
+    if cfg.target.path is not None or Path(ref["path"]).exists():
+        return TargetRef(**ref)
+    built = resolve_target(cfg.target)
+    if built.fingerprint != ref["fingerprint"]:
+        raise ConfigError(f"the tiny target built on this node ({built.fingerprint}) differs from the first "
+                          f"node's ({ref['fingerprint']}); install the same draftflow version on every node")
+    return built
 
 
 def _bind_device(cfg):

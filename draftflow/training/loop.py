@@ -251,6 +251,9 @@ def _run_steps(run: _Run, state: dict) -> None:
         idx = step_indices(state["step"], len(run.samples), run.tcfg, run.lengths)
         mine = run.env.share(list(enumerate(idx)))  # (place in the global batch, sample index)
         seqs = list(zip([j for j, _ in mine], _take(run.samples, [i for _, i in mine]), strict=True))
+        if hasattr(run.samples, "prefetch") and state["step"] + 1 < run.total:  # read the next step meanwhile
+            ahead = step_indices(state["step"] + 1, len(run.samples), run.tcfg, run.lengths)
+            run.samples.prefetch([i for _, i in run.env.share(list(enumerate(ahead)))])
         rec = _train_step(run, seqs, state["step"])
         state["step"] += 1
         state["history"].append(rec["loss"])

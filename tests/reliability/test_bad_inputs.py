@@ -239,6 +239,11 @@ CONFIG = {
     "override_below_a_value": (["train.lr.x=1"], ["train.lr.x"]),
     "empty_run_name": (["name="], ["name"]),
     "negative_lock_wait": (["lock.wait_s=-1"], ["lock.wait_s"]),
+    "unknown_eval_category": ([f"curate.sources=[{{name: s, path: {SAMPLE}/sharegpt.jsonl, category: chat}}]",
+                               "evaluate.categories=[chat, maths]"], ["evaluate.categories", "'maths'", "chat"]),
+    "unknown_source_split": ([f"curate.sources=[{{name: s, path: {SAMPLE}/sharegpt.jsonl, split: test}}]"],
+                             ["curate.sources.0.split"]),
+    "unknown_baseline": (["evaluate.baselines=[ngram]"], ["evaluate.baselines"]),
 }
 SOURCES = {
     "missing_path": (["curate.sources=[{name: s, path: /no/such/file.jsonl}]"], ["/no/such/file.jsonl"]),

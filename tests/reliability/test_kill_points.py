@@ -50,9 +50,9 @@ KILL_POINTS = {
     "train": ["call:draftflow.training.loop:_train_step:3", "file:train/*/work/checkpoints/step_*:2",
               "call:draftflow.training.loop:_train_step:10", "file:train/*/export/vllm/README.md:1",
               "file:train/*/manifest.json:1"],
-    "evaluate": ["call:draftflow.evaluation.decode:speculative_generate:1",
-                 "call:draftflow.evaluation.decode:propose:3",
-                 "call:draftflow.evaluation.decode:greedy_generate:2", "file:evaluate/*/report.json:1",
+    "evaluate": ["call:draftflow.evaluation.cached:speculative_generate_cached:1",  # evaluate.kv_cache (default)
+                 "call:draftflow.evaluation.cached:propose_cached:3",
+                 "call:draftflow.evaluation.cached:greedy_generate_cached:2", "file:evaluate/*/report.json:1",
                  "file:evaluate/*/manifest.json:1"],
 }
 

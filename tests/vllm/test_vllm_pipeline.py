@@ -133,8 +133,8 @@ def _eval_prompts_and_greedy(cfg, summary, tiny_target):
     manifest = Store(cfg.root).read_manifest("curate", curate["fingerprint"])
     curated = StageResult(stage="curate", fingerprint=manifest.fingerprint, status="reused", digest="d",
                           path=curate["path"], manifest=manifest)
-    prompts = eval_prompts(Store(cfg.root), curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking)
-    prompts = prompts[: cfg.evaluate.num_prompts]
+    prompts = eval_prompts(Store(cfg.root), curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
+                           cfg.evaluate)  # evaluate.categories, then num_prompts round-robin over categories
     eos = eos_token_ids(model, tokenizer)
     return prompts, [greedy_generate(model, p, cfg.evaluate.max_new_tokens, eos) for p in prompts], sorted(eos)
 

@@ -1,0 +1,152 @@
+"""`draftflow compare RUN...`: τ and projected speedup of several evaluations side by side.
+
+Each RUN is a run root, an evaluate folder or a report.json (`draftflow.evalruns.resolve`). The
+table has one column per evaluation and one row per figure its report.json holds: overall τ,
+projected speedup, τ per category, τ of each baseline, τ per DDTree budget, and the last gate
+verdict. Reports written before a key existed simply leave that row blank ("-"): every key but
+`tau` is read as optional. `plot` draws τ per category and τ per DDTree budget as one PNG.
+
+What it does not know: Prefect, torch, how the figures were measured (it reads report.json only,
+so it answers in well under a second; matplotlib is imported only for `--png`). Trade-off: the
+rows are the union over the runs, so a run that lacks a figure shows "-" rather than hiding the row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from draftflow.evalruns import Evaluation, resolve
+
+Figures = dict[str, float | None]
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _budget_order(name: str) -> tuple[int, str]:
+    return (int(name), "") if str(name).isdigit() else (1 << 30, str(name))
+
+
+def figures(report: dict[str, Any]) -> Figures:
+    """The comparable figures of one report.json, in table order (absent keys are left out)."""
+    out: Figures = {"tau": _num(report.get("tau"))}
+    speed = report.get("speedup")
+    if isinstance(speed, dict):
+        out["speedup (projected)"] = _num(speed.get("projected"))
+    for name, c in (report.get("categories") or {}).items():
+        out[f"tau {name}"] = _num((c or {}).get("tau"))
+    for name, b in (report.get("baselines") or {}).items():
+        out[f"tau baseline {name}"] = _num((b or {}).get("tau"))
+    tree = report.get("ddtree") or {}
+    for budget in sorted(tree, key=_budget_order):
+        out[f"tau ddtree {budget}"] = _num((tree[budget] or {}).get("tau"))
+    return out
+
+
+def table_rows(evs: list[Evaluation]) -> tuple[list[str], list[list[str]]]:
+    """(row names, cells per row: one per evaluation); names are the union of the reports' figures."""
+    per = [figures(e.report) for e in evs]
+    names: list[str] = []
+    for f in per:
+        names += [n for n in f if n not in names]
+    ddtree = sorted((n for n in names if n.startswith("tau ddtree ")), key=lambda n: _budget_order(n[11:]))
+    names = [n for n in names if not n.startswith("tau ddtree ")] + ddtree
+    cells = [[_cell(n, f.get(n)) for f in per] for n in names]
+    names.append("gate")
+    cells.append([_gate(e.gate) for e in evs])
+    return names, cells
+
+
+def _cell(name: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"x{value:.2f}" if name.startswith("speedup") else f"{value:.3f}"
+
+
+def _gate(verdict: dict[str, Any] | None) -> str:
+    if not verdict:
+        return "-"
+    return "promoted" if verdict.get("promoted") else "failed"
+
+
+def table(evs: list[Evaluation]) -> str:
+    """The comparison as text: a legend of the runs ([1] label  path), then the aligned table."""
+    names, cells = table_rows(evs)
+    heads = [f"[{i}]" for i in range(1, len(evs) + 1)]
+    width = max(len(n) for n in names)
+    cols = [max(len(h), *(len(row[j]) for row in cells)) for j, h in enumerate(heads)]
+    lines = [f"[{i}] {e.label}  {e.path}" for i, e in enumerate(evs, 1)] + [""]
+    lines.append(f"{'':<{width}}  " + "  ".join(h.rjust(w) for h, w in zip(heads, cols)))
+    for name, row in zip(names, cells):
+        lines.append(f"{name:<{width}}  " + "  ".join(c.rjust(w) for c, w in zip(row, cols)))
+    return "\n".join(lines)
+
+
+def plot(evs: list[Evaluation], path: str | Path) -> Path:
+    """τ per category (bars, one per evaluation) and τ per DDTree budget (lines) as one PNG.
+
+    Raises:
+        ModuleNotFoundError: matplotlib is not installed (a dependency of draftflow).
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    per = [figures(e.report) for e in evs]
+    cats = ["tau"] + sorted(
+        {n for f in per for n in f if n.startswith("tau ") and not n.startswith(("tau ddtree ", "tau baseline "))}
+    )
+    fig = Figure(figsize=(11, 4.2), dpi=100)
+    bars, curve = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    width = 0.8 / len(evs)
+    for i, (e, f) in enumerate(zip(evs, per)):
+        speed = f.get("speedup (projected)")
+        label = f"[{i + 1}] {e.label}" + (f" (x{speed:.2f})" if speed is not None else "")
+        bars.bar([k + i * width for k in range(len(cats))], [f.get(c) or 0.0 for c in cats], width, label=label)
+        tree = sorted(
+            (
+                (int(n[11:]), v)
+                for n, v in f.items()
+                if n.startswith("tau ddtree ") and n[11:].isdigit() and v is not None
+            )
+        )
+        if tree:
+            curve.plot([b for b, _ in tree], [v for _, v in tree], marker="o", label=f"[{i + 1}]")
+    bars.set_xticks([k + 0.4 - width / 2 for k in range(len(cats))], ["all" if c == "tau" else c[4:] for c in cats])
+    bars.set_ylabel("mean acceptance length τ")
+    bars.set_title("τ per category")
+    bars.legend(fontsize=8)
+    curve.set_xscale("log", base=2)
+    curve.set_xlabel("DDTree node budget")
+    curve.set_ylabel("τ")
+    curve.set_title("τ per DDTree budget" if curve.lines else "τ per DDTree budget (no DDTree results)")
+    if curve.lines:
+        curve.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, format="png", metadata={"Software": None})
+    return out
+
+
+def compare(runs: list[str], png: str | None = None) -> str:
+    """The comparison table of every evaluation the `runs` name (and the PNG at `png`, if given).
+
+    Raises:
+        NoEvaluation: a RUN holds no evaluation (one line naming it).
+    """
+    evs: list[Evaluation] = []
+    for run in runs:
+        evs += resolve(run)
+    seen: dict[str, int] = {}
+    for e in evs:  # the same label twice (two roots both named `run`): number them
+        seen[e.label] = seen.get(e.label, 0) + 1
+        if seen[e.label] > 1:
+            e.label = f"{e.label}#{seen[e.label]}"
+    text = table(evs)
+    if png:
+        text += f"\nplot: {plot(evs, png)}"
+    return text

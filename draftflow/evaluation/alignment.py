@@ -1,0 +1,89 @@
+"""Label alignment of a DFlash drafter: does slot k predict token a+k, or a neighbour?
+
+A drafter trained with labels shifted by one (slot k learning token a+k+1, a known peer bug)
+still accepts tokens on repetitive text, where a token often equals its neighbour, so its
+tau can look plausible and even beat an untrained drafter. This check separates it from a
+correct one on the same data: run the drafter on teacher-forced blocks (the training layout,
+`draftflow.training.batches.make_block_batch`) at every anchor of known sequences, and count,
+only at positions where the tokens at a+k-1, a+k and a+k+1 all differ, how often slot k's
+greedy draft equals each of them. A correctly trained drafter matches offset 0 most;
+one trained on shifted labels matches offset +1 most.
+
+What it does not know: where the sequences come from (the target's own greedy continuations
+are the natural input), EAGLE-3 drafters (their chain has no slots), reports or gates.
+
+Key trade-off: teacher forcing measures what each slot learned, independently of how many
+drafts decoding accepts, at the price of one extra target forward per sequence; anchors are
+batched `chunk` at a time so the (Q, T+Q) mask stays small for long sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftflow.evaluation.decode import RoundFn, capture_taps
+from draftflow.features import FeatureSample
+from draftflow.models.dflash import DFlashDrafter
+from draftflow.training.batches import make_block_batch
+
+OFFSETS = (-1, 0, 1)
+
+
+@torch.no_grad()
+def slot_alignment(
+    target,
+    drafter: DFlashDrafter,
+    sequences: list[tuple[list[int], list[int]]],
+    round_features: RoundFn | None = None,
+    chunk: int = 64,
+) -> dict:
+    """How often slot k drafts the token at a+k+offset, for offset -1, 0, +1.
+
+    Args:
+        target: the HF causal LM the drafter was trained for (gives the tap features).
+        drafter: a DFlash drafter.
+        sequences: (prompt ids, continuation ids) pairs; anchors are continuation positions
+            whose whole block fits in the sequence.
+        round_features: the feature store's rounding (see `capture_taps`).
+        chunk: anchors per drafter forward.
+
+    Returns:
+        {"positions": n, "match": {offset: rate}, "offset": the offset with the highest rate, or
+        None when none is strictly highest (no qualifying position, or a tie)}. A position
+        qualifies when its token and its two neighbours all differ, so no two offsets can
+        agree there.
+    """
+    B, hits, n = drafter.config.block_size, dict.fromkeys(OFFSETS, 0), 0
+    device = drafter.fc.weight.device
+    drafter.eval()
+    for prompt, continuation in sequences:
+        ids = list(prompt) + list(continuation)
+        T = len(ids)
+        anchors = torch.arange(max(len(prompt), 1), T - B + 1)
+        if anchors.numel() == 0:
+            continue
+        _, feats = capture_taps(target, ids, drafter.config.target_layer_ids, round_features)
+        sample = FeatureSample(
+            "alignment",
+            torch.tensor(ids),
+            torch.ones(T, dtype=torch.bool),
+            feats.reshape(T, len(drafter.config.target_layer_ids), -1).cpu(),
+        )
+        tok = sample.input_ids
+        for part in anchors.split(chunk):
+            b = make_block_batch(sample, part, B, drafter.config.mask_token_id).to(device)
+            draft = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)[0].argmax(-1).cpu()
+            pos = b.block_pos[0].cpu()  # (Q,) position of every slot
+            slot = torch.arange(pos.numel()) % B
+            ok = (slot >= 1) & (pos + 1 < T)
+            p = pos[ok]
+            # a-b-a text would let offsets -1 and +1 agree: all three tokens must differ
+            distinct = (tok[p] != tok[p - 1]) & (tok[p] != tok[p + 1]) & (tok[p - 1] != tok[p + 1])
+            p, d = p[distinct], draft[ok][distinct]
+            n += p.numel()
+            for off in OFFSETS:
+                hits[off] += int((d == tok[p + off]).sum())
+    match = {off: hits[off] / n if n else 0.0 for off in OFFSETS}
+    best = sorted(OFFSETS, key=match.get)
+    unique = match[best[-1]] > match[best[-2]]  # no position, or a tie at the top: no offset stands out
+    return {"positions": n, "match": match, "offset": best[-1] if unique else None}
