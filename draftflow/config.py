@@ -9,20 +9,14 @@ Overrides use the same dotted paths: `--set train.lr=1e-3`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from draftflow.errors import ConfigError
-from draftflow.fields import BoolOrFraction, Device, Regex
-from draftflow.gate_config import GateConfig
-
-
-class Section(BaseModel):
-    """Base for every config section: unknown keys are rejected."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from draftflow.evaluation.config import EvaluateConfig
+from draftflow.fields import BoolOrFraction, Device, Regex, Section
 
 
 class TinyTargetConfig(Section):
@@ -232,22 +226,6 @@ class TrainConfig(Section):
     bf16: bool = Field(True, description="bf16 autocast of the forward on CUDA (loss in fp32); ignored on CPU")
     timeout_s: float | None = Field(
         None, gt=0.0, description="torchrun launcher: kill the training processes after this many seconds")
-
-
-class EvaluateConfig(Section):
-    max_new_tokens: int = Field(128, ge=1)
-    num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
-    device: Device = "auto"
-    engine: Literal["hf", "vllm"] = Field(
-        "hf", description="hf: draftflow's own speculative decoding; vllm: also serve both exports with vLLM's "
-        "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
-    vllm_tau_tolerance: float = Field(
-        0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
-    ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
-    categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
-    baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
-    kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
-    gate: GateConfig = GateConfig()  # promotion thresholds, applied after the stage (in no fingerprint)
 
 
 class RunnerConfig(Section):

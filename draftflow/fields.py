@@ -1,4 +1,5 @@
-"""Constrained value types of the run config: a torch device, a regex, a thinking fraction.
+"""Constrained value types of the run config (a torch device, a regex, a thinking fraction) and the
+base of its sections.
 
 Checked when the config loads, so a typo stops a run before any work, in one line that names the
 field (pydantic puts the field's dotted path in front of these messages). The config sections in
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 
 def _regex(pattern: str) -> str:
@@ -31,3 +32,9 @@ Device = Annotated[str, Field(pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$", descripti
 Regex = Annotated[str, AfterValidator(_regex)]
 # true / false, or the share of conversations (0..1) that get it on.
 BoolOrFraction = Annotated[bool | float, AfterValidator(_fraction)]
+
+
+class Section(BaseModel):
+    """Base for every config section: unknown keys are rejected."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from draftflow.config import CurateConfig, EvaluateConfig, SourceConfig, load_config
+from draftflow.contracts import StageResult
 from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
@@ -57,7 +58,7 @@ def _curate(root, sources, eval_fraction=0.2):
     cfg.curate.sources, cfg.curate.eval_fraction, cfg.curate.shard_rows = sources, eval_fraction, 8
     m = curate.run(Store(str(root)), "fp", cfg, {})
     rows = {
-        s: [r for sh in m["shards"] if sh["split"] == s for r in read_rows(f"{root}/curate/fp/{sh['name']}")]
+        s: [r for sh in m.shards if sh.split == s for r in read_rows(f"{root}/curate/fp/{sh.name}")]
         for s in ("train", "eval")
     }
     return m, rows
@@ -100,7 +101,7 @@ def test_a_category_column_holding_a_list_is_a_counted_reject(tmp_path):
             SourceConfig(name="bad", path=str(src), category_field="kind", split="eval"),
         ],
     )
-    assert m["dropped"].get("bad_category") == 1
+    assert m.dropped.get("bad_category") == 1
     assert [r["category"] for r in rows["eval"] if r["source"] == "bad"] == ["3"]
 
 
@@ -253,7 +254,7 @@ def test_the_stage_reads_the_selected_prompts_with_their_categories_and_ids(tmp_
     )
     m, rows = _curate(tmp_path / "r", [chat, plain, mixed])
     _, tokenizer = load_target(tiny_target.path, "float32", "cpu")
-    curated = {"manifest": m, "fingerprint": "fp"}
+    curated = StageResult(stage="curate", fingerprint="fp", status="ran", digest="d", path="p", manifest=m)
     ecfg = EvaluateConfig(categories=["math", "code"], num_prompts=5)
     prompts, cats, n_eval, ids = eval_set(Store(str(tmp_path / "r")), curated, ChatFormat(tokenizer), False, ecfg)
     assert cats == ["math", "code", "math", "code", "math"] and n_eval == len(rows["eval"])

@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.contracts import ShardEntry
 from draftflow.errors import StoreError
 from draftflow.feature_stream import RangeCache, local_source, open_features
 from draftflow.features import FeatureSample, FeatureShard, read_range, sha256_of, write_feature_shard
@@ -120,9 +121,9 @@ def test_each_read_is_verified_against_the_index_and_v2_shards_stay_readable(tmp
         old.get(0, verify=True)
 
 
-def _entry(store: Store, local: str, name: str) -> dict:
+def _entry(store: Store, local: str, name: str) -> ShardEntry:
     store.fs.put_file(local, store.stage_path("extract", "fp", name))
-    return {"name": name, "sha256": sha256_of(local), "bytes": os.path.getsize(local)}
+    return ShardEntry(name=name, rows=len(FeatureShard(local)), sha256=sha256_of(local), bytes=os.path.getsize(local))
 
 
 def _index_bytes(path: str) -> int:
@@ -214,7 +215,7 @@ def test_v2_shards_on_s3_are_downloaded_whole_and_checked_by_sha256(tmp_path, co
     assert source.verify == [True, False]
     assert counted_s3.served["train-00001.safetensors"] == _index_bytes(paths[1]) + os.path.getsize(paths[1])
     _same(source.take([5])[0], written[5])
-    bad = dict(entries[1], sha256="0" * 64)
+    bad = entries[1].model_copy(update={"sha256": "0" * 64})
     with pytest.raises(StoreError, match="fails its checksum"):
         open_features(store, "extract", "fp", [bad], RangeCache(tmp_path / "cache2", 10**9))
 

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import RunConfig, load_config
+from draftflow.contracts import Manifest, ShardResult, StageResult
 from draftflow.errors import ConfigError
+from draftflow.evaluation.config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide
-from draftflow.gate_config import GateConfig
 from draftflow.gating import apply_gate, check_gate, marker_path, raise_if_failed
 from draftflow.stages.common import finalize, fingerprint
 from draftflow.store import Store, shard_entry
@@ -90,7 +91,7 @@ def evaluation(
     with store.writing(store.stage_path("evaluate", fp, "report.json")) as tmp:
         Path(tmp).write_text(json.dumps(REPORT | {"tau": tau} | report))
         entry = shard_entry("report.json", tmp, rows=0)
-    result = {"shard": entry, "rejected": None, "rows_in": 0, "rows_out": 0, "dropped": {}}
+    result = ShardResult(shard=entry, rows_in=0, rows_out=0)
     manifest = finalize(
         store,
         "evaluate",
@@ -100,10 +101,16 @@ def evaluation(
         [result],
         extra={"tau": tau},
     )
-    return {"fingerprint": fp, "manifest": manifest}
+    return _result(manifest)
 
 
-TRAINED = {"fingerprint": "1111111111111111"}
+def _result(manifest: Manifest) -> StageResult:
+    return StageResult(stage=manifest.stage, fingerprint=manifest.fingerprint, status="ran", digest="d", path="p",
+                       manifest=manifest)
+
+
+TRAINED = _result(Manifest(stage="train", fingerprint="1111111111111111", code_version="c", config={}, inputs={},
+                           shards=(), rows_in=0, rows_out=0, dropped={}, tokens=0))
 
 
 def gate_cfg(root: Path, **gate) -> RunConfig:
@@ -120,19 +127,19 @@ def test_max_regression_compares_with_the_best_earlier_evaluation_of_the_same_ta
     now = evaluation(tmp_path, "f" * 16, 2.0)
     verdict = apply_gate(store, gate_cfg(tmp_path, max_regression=0.1), now, TRAINED)
     assert verdict["baseline"]["label"].endswith("a" * 16) and verdict["checks"][0]["value"] == pytest.approx(0.2)
-    assert not verdict["promoted"] and not Path(marker_path(store, TRAINED["fingerprint"])).exists()
+    assert not verdict["promoted"] and not Path(marker_path(store, TRAINED.fingerprint)).exists()
     assert json.loads((tmp_path / "evaluate" / ("f" * 16) / "gate.json").read_text())["passed"] is False
     with pytest.raises(GateFailed, match=r"tau 2.000 is \+20.0% below .*aaaa's 2.500 \(> max_regression 10.0%\)"):
         raise_if_failed(verdict, store)
 
     verdict = apply_gate(store, gate_cfg(tmp_path, max_regression=0.25, min_tau=1.5), now, TRAINED)
-    marker = json.loads(Path(marker_path(store, TRAINED["fingerprint"])).read_text())
+    marker = json.loads(Path(marker_path(store, TRAINED.fingerprint)).read_text())
     assert verdict["promoted"] and marker["promoted"] and marker["evaluate"].endswith("evaluate/" + "f" * 16)
     assert [c["name"] for c in marker["checks"]] == ["min_tau", "max_regression"]
     raise_if_failed(verdict, store)  # passes: nothing raised
 
     apply_gate(store, gate_cfg(tmp_path, min_tau=2.5), now, TRAINED)  # the last gate failed: no longer promoted
-    assert not Path(marker_path(store, TRAINED["fingerprint"])).exists()
+    assert not Path(marker_path(store, TRAINED.fingerprint)).exists()
     assert apply_gate(store, gate_cfg(tmp_path), now, TRAINED) is None  # no threshold: no gate, nothing written
 
 
@@ -154,7 +161,7 @@ def test_a_named_baseline_is_used_and_a_missing_or_incomparable_one_is_one_line(
         ("9" * 16, "no evaluation 9999999999999999 under .*evaluate; name an evaluate fingerprint"),
         (str(tmp_path / "nowhere"), "no evaluation at .*nowhere"),
         (str(tmp_path), "holds 4 evaluations; name one"),
-        (other["fingerprint"], "measured another target"),
+        (other.fingerprint, "measured another target"),
     ):
         cfg = gate_cfg(tmp_path, max_regression=0.1, baseline=name)
         with pytest.raises(GateError, match=match) as exc:

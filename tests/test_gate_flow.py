@@ -57,14 +57,14 @@ def test_failing_gate_fails_the_flow_then_a_changed_threshold_passes_from_the_ca
         state.result()
     line = str(exc.value)
     assert "\n" not in line and f"tau {tau:.3f} < min_tau {tau + 0.5:g}" in line and str(evaluate) in line
-    train = Path(up["train"]["path"])
+    train = Path(up["train"].path)
     assert (train / "export" / "vllm").is_dir() and not (train / "export" / PROMOTED).exists()  # kept, not promoted
     assert json.loads((evaluate / "gate.json").read_text())["promoted"] is False
 
     passing = tiny_config(root, f"evaluate.gate.min_tau={max(1.0, round(tau - 0.25, 2))}")
     result = evaluate_flow(passing, target, up["curate"], up["train"])
-    assert result["status"] == "reused" and _mtimes(evaluate) == before  # judged again, not decoded again
-    assert result["gate"]["promoted"]
+    assert result.status == "reused" and _mtimes(evaluate) == before  # judged again, not decoded again
+    assert result.gate["promoted"]
     marker = json.loads((train / "export" / PROMOTED).read_text())
     assert marker["evaluate"] == str(evaluate) and marker["tau"] == tau
 

@@ -158,7 +158,7 @@ def ray_cluster(tmp_path_factory, ray_token):
         _stop(list(reversed(procs)))
 
 
-def _tokenize(cfg) -> dict:
+def _tokenize(cfg):
     """curate and regenerate on threads, then tokenize as `cfg.runner` says; returns tokenize's stage result."""
     from flows.pipeline import run_stage_flow
     from tasks.stage_tasks import prepare_target
@@ -190,9 +190,9 @@ def test_tokenize_on_a_two_node_ray_cluster_equals_the_thread_runner(prefect_har
     ):
         cfg = tiny_config(tmp_path / name, *extra)
         result = _tokenize(cfg)
-        assert result["status"] == "ran"
-        m = Store(cfg.root).read_manifest("tokenize", result["fingerprint"])
-        runs[name] = (result["fingerprint"], manifest_digest(m), sorted((e["name"], e["sha256"]) for e in m["shards"]))
+        assert result.status == "ran"
+        m = Store(cfg.root).read_manifest("tokenize", result.fingerprint)
+        runs[name] = (result.fingerprint, manifest_digest(m), sorted((e.name, e.sha256) for e in m.shards))
     assert runs["ray"] == runs["threads"] and len(runs["ray"][2]) >= 2
     if not ray.is_initialized():
         ray.init(address=ray_cluster)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftflow.errors import DraftflowError
-from draftflow.gate_config import GateConfig
+from draftflow.evaluation.config import GateConfig
 
 
 class GateError(DraftflowError):

@@ -1,0 +1,70 @@
+"""The `evaluate` config section (and its `gate`): what the evaluation package measures and decides.
+
+Here rather than in `draftflow.config` because the section belongs to the evaluation package (and that
+module is at its size limit); `draftflow.config.RunConfig` holds it like every other section.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from draftflow.fields import Device, Section
+
+
+class GateConfig(Section):
+    """All unset (the default): no gate, nothing promoted or marked. Each set threshold is one check.
+
+    The section is in no fingerprint (`config.NOT_FINGERPRINTED`): the gate is applied after the evaluate
+    stage, also to a reused one, so changing a threshold never re-runs decoding. What the thresholds mean
+    is `draftflow.evaluation.gate`.
+    """
+
+    min_tau: float | None = Field(None, ge=1.0, description="fail below this mean acceptance length")
+    min_speedup: float | None = Field(
+        None, gt=0.0, description="fail below this projected speedup (report.json speedup.projected)"
+    )
+    max_regression: float | None = Field(
+        None,
+        ge=0.0,
+        lt=1.0,
+        description="fail when tau is more than this fraction below the best earlier "
+        "evaluation of the same target and eval set in the run root (or below `baseline`); 0.05 = 5%",
+    )
+    baseline: str | None = Field(
+        None,
+        min_length=1,
+        description="max_regression against this evaluation instead of the best earlier "
+        "one: an evaluate fingerprint in the run root, an evaluate folder or its report.json",
+    )
+
+    @model_validator(mode="after")
+    def _baseline_needs_regression(self) -> GateConfig:
+        if self.baseline is not None and self.max_regression is None:
+            raise ValueError(
+                "evaluate.gate.baseline is only used by max_regression; set evaluate.gate.max_regression "
+                "too (0.05 = 5%)"
+            )
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether any threshold is set (else no gate is applied)."""
+        return any(v is not None for v in (self.min_tau, self.min_speedup, self.max_regression))
+
+
+class EvaluateConfig(Section):
+    max_new_tokens: int = Field(128, ge=1)
+    num_prompts: int | None = Field(None, ge=1, description="null = every eval prompt")
+    device: Device = "auto"
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="hf: draftflow's own speculative decoding; vllm: also serve both exports with vLLM's "
+        "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
+    vllm_tau_tolerance: float = Field(
+        0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
+    ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
+    categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
+    baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
+    kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
+    gate: GateConfig = GateConfig()  # promotion thresholds, applied after the stage (in no fingerprint)
