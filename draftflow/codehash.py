@@ -5,9 +5,10 @@ whole library made every edit, even to the trainer, recompute curation, regenera
 terabytes of features. Here a stage's code is `draftflow/stages/<stage>.py` plus every
 library module it imports, directly or transitively, found by reading the import
 statements of each file (module-level and inside functions, absolute and relative), plus
-the package `__init__` files on the way, the bundled assets, and the versions of the
-third-party libraries that shape the stage's bytes (`STAGE_LIBRARIES`: transformers renders
-chat templates and runs the target, tokenizers tokenizes, torch computes).
+the package `__init__` files on the way and the bundled assets. The versions of the third-party
+libraries that shape a stage's bytes (`StageSpec.libraries`: transformers renders chat templates and
+runs the target, tokenizers tokenizes, torch computes) are another of its fingerprint inputs
+(`stages.registry.stage_inputs`, shown in its manifest's `inputs.libraries`).
 
 What it does not see: modules reached only by a computed name (importlib with a string).
 draftflow has none; `tests/test_codehash.py` keeps it that way.
@@ -106,37 +107,24 @@ def source_hash(root: Path, files: list[Path], extra_dirs: tuple[str, ...] = ("a
     return h.hexdigest()[:12]
 
 
-# Third-party libraries whose version can change a stage's bytes: the chat template renderer and
-# tokenizer (regenerate, tokenize), the model code and kernels (regenerate, extract, train, evaluate).
-STAGE_LIBRARIES = {
-    "regenerate": ("torch", "transformers", "tokenizers"),
-    "tokenize": ("transformers", "tokenizers"),
-    "extract": ("torch", "transformers"),
-    "train": ("torch", "transformers"),
-    "evaluate": ("torch", "transformers"),
-}
-
-
-def library_versions(stage: str) -> dict[str, str]:
-    """Installed versions of `stage`'s libraries, without local build tags (2.13.0+cpu -> 2.13.0),
-    so a CPU worker and a GPU worker with the same release agree."""
+def library_versions(names: tuple[str, ...]) -> str:
+    """Installed versions of the named packages as `name=version;...`, without local build tags
+    (2.13.0+cpu -> 2.13.0), so a CPU worker and a GPU worker with the same release agree."""
     from importlib.metadata import PackageNotFoundError, version
 
-    out = {}
-    for name in STAGE_LIBRARIES.get(stage, ()):
+    out = []
+    for name in names:
         try:
-            out[name] = version(name).split("+")[0]
+            out.append(f"{name}={version(name).split('+')[0]}")
         except PackageNotFoundError:
-            out[name] = "absent"
-    return out
+            out.append(f"{name}=absent")
+    return ";".join(out)
 
 
 @functools.cache
 def stage_code_hash(stage: str) -> str:
-    """Hash of the library code that computes `stage` and its libraries' versions (see the module docstring)."""
-    code = source_hash(ROOT, closure(ROOT, f"{PACKAGE}.stages.{stage}"))
-    libs = "".join(f"{k}={v};" for k, v in library_versions(stage).items())
-    return hashlib.sha256(f"{code};{libs}".encode()).hexdigest()[:12]
+    """Hash of the draftflow code that computes `stage` (see the module docstring)."""
+    return source_hash(ROOT, closure(ROOT, f"{PACKAGE}.stages.{stage}"))
 
 
 @functools.lru_cache(maxsize=1)

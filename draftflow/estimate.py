@@ -21,7 +21,6 @@ from draftflow.contracts import Manifest
 from draftflow.drafters.registry import DRAFTERS, drafter_spec
 from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
-from draftflow.stages.registry import stage_names, upstream_of
 from draftflow.target import TargetRef
 
 # Bytes per stored feature element, and what is stored per token beside the features.
@@ -113,7 +112,8 @@ def _split_rows(manifest: Manifest, split: str) -> int:
     return sum(s.rows for s in manifest.data_shards(split))
 
 
-def _measured(stage: str, m: Manifest) -> dict[str, Any]:
+def measured_size(stage: str, m: Manifest) -> dict[str, Any]:
+    """A complete stage's size, from its manifest."""
     tokens = m.extra.get("tokens", m.tokens) if stage == "extract" else m.tokens
     if stage == "train":
         tokens = m.extra.get("trained_tokens", tokens)
@@ -125,35 +125,41 @@ def _measured(stage: str, m: Manifest) -> dict[str, Any]:
     return size
 
 
-def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, Any]:
-    """A stage's size from its upstream's (measured or estimated) size and the config."""
-    up = sizes.get(upstream_of(stage)[0]) if upstream_of(stage) else None
-    if stage == "curate":
-        rows = ctx["source_rows"]
-        if rows is None:
-            return {"basis": "unknown"}
-        n_eval = int(rows * cfg.curate.eval_fraction)
-        return {"rows": rows, "train_rows": rows - n_eval, "eval_rows": n_eval, "tokens": None}
-    if up is None or up.get("rows") is None:
+# Size models, one per stage (`StageSpec.size`): (cfg, upstream size or None, sizes so far, ctx) -> size.
+
+
+def curate_size(cfg: RunConfig, up: dict | None, sizes: dict, ctx: dict) -> dict[str, Any]:
+    rows = ctx["source_rows"]
+    if rows is None:
         return {"basis": "unknown"}
-    if stage == "regenerate":
-        rows = up["train_rows"]
-        return {"rows": rows, "tokens": rows * cfg.regenerate.max_new_tokens}
-    if stage == "tokenize":
-        per = min(cfg.tokenize.max_length, ctx["prompt_tokens"] + up["tokens"] / max(1, up["rows"]))
-        return {"rows": up["rows"], "train_rows": up["rows"], "tokens": int(up["rows"] * per),
-                "train_tokens": int(up["rows"] * per)}
-    if stage == "extract":
-        tokens = up["train_tokens"]
-        return {"rows": up["train_rows"], "tokens": tokens,
-                "bytes": feature_bytes(cfg, tokens, ctx["taps"], ctx["hidden"])}
-    if stage == "train":
-        passes = _passes(cfg, up["rows"])
-        return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes}
-    if stage == "evaluate":
-        prompts = cfg.evaluate.num_prompts or sizes["curate"].get("eval_rows") or 0
-        return {"rows": prompts, "tokens": prompts * cfg.evaluate.max_new_tokens}
-    return {k: v for k, v in up.items() if k != "basis"}  # a stage without a model: at most its input
+    n_eval = int(rows * cfg.curate.eval_fraction)
+    return {"rows": rows, "train_rows": rows - n_eval, "eval_rows": n_eval, "tokens": None}
+
+
+def regenerate_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
+    rows = up["train_rows"]
+    return {"rows": rows, "tokens": rows * cfg.regenerate.max_new_tokens}
+
+
+def tokenize_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
+    per = min(cfg.tokenize.max_length, ctx["prompt_tokens"] + up["tokens"] / max(1, up["rows"]))
+    return {"rows": up["rows"], "train_rows": up["rows"], "tokens": int(up["rows"] * per),
+            "train_tokens": int(up["rows"] * per)}
+
+
+def extract_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
+    tokens = up["train_tokens"]
+    return {"rows": up["train_rows"], "tokens": tokens, "bytes": feature_bytes(cfg, tokens, ctx["taps"], ctx["hidden"])}
+
+
+def train_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
+    passes = _passes(cfg, up["rows"])
+    return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes}
+
+
+def evaluate_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
+    prompts = cfg.evaluate.num_prompts or sizes["curate"].get("eval_rows") or 0
+    return {"rows": prompts, "tokens": prompts * cfg.evaluate.max_new_tokens}
 
 
 def _passes(cfg: RunConfig, rows: int) -> float:
@@ -161,17 +167,6 @@ def _passes(cfg: RunConfig, rows: int) -> float:
     if cfg.train.max_steps is None or rows == 0:
         return float(cfg.train.epochs)
     return min(float(cfg.train.epochs), cfg.train.max_steps * cfg.train.batch_size / rows)
-
-
-def stage_sizes(cfg: RunConfig, manifests: dict[str, Manifest], ctx: dict) -> dict[str, dict[str, Any]]:
-    """Per stage: rows, tokens, bytes and basis ("measured", "estimated" or "unknown")."""
-    sizes: dict[str, dict[str, Any]] = {}
-    for stage in stage_names():
-        if stage in manifests:
-            sizes[stage] = _measured(stage, manifests[stage])
-        else:
-            sizes[stage] = {"basis": "estimated", "bytes": None} | _estimate(stage, cfg, sizes, ctx)
-    return sizes
 
 
 # ----------------------------------------------------------------------------- time
@@ -215,27 +210,46 @@ def _param_bytes(cfg: RunConfig, hw_name: str) -> int:
     return 2
 
 
-def stage_seconds(stage: str, cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float | None:
-    """Estimated seconds of one stage on its configured device; None when unknown (e.g. HTTP endpoints)."""
-    if size.get("rows") is None or (stage == "regenerate" and cfg.regenerate.engine == "openai"):
-        return None
-    if stage not in ("regenerate", "extract", "train", "evaluate", *CPU_ROWS_PER_S):
-        return None  # a stage without a time model
-    if stage in CPU_ROWS_PER_S:
-        return size["rows"] / (CPU_ROWS_PER_S[stage] * (os.cpu_count() or 1))
-    device = {"train": cfg.train.device, "evaluate": cfg.evaluate.device}.get(stage, cfg.target.device)
+# Time models, one per stage (`StageSpec.seconds`): (cfg, size, model shape, prompt tokens) -> seconds or None.
+
+
+def curate_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float:
+    return size["rows"] / (CPU_ROWS_PER_S["curate"] * (os.cpu_count() or 1))
+
+
+def tokenize_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float:
+    return size["rows"] / (CPU_ROWS_PER_S["tokenize"] * (os.cpu_count() or 1))
+
+
+def _rates(cfg: RunConfig, device: str, shape: dict) -> tuple[float, float, float]:
+    """(peak FLOP/s, forward FLOP/s, decode tokens/s of one sequence) of `device` for the target."""
     name, tflops, gbs = hardware(device)
-    flops, forward = tflops * 1e12, tflops * 1e12 * MFU_FORWARD
-    decode_tps = DECODE_BW * gbs * 1e9 / (shape["params"] * _param_bytes(cfg, name))  # one sequence
-    if stage == "regenerate":
-        batch = VLLM_BATCH if cfg.regenerate.engine == "vllm" else cfg.regenerate.batch_size
-        prefill = size["rows"] * prompt_tokens * shape["flops_per_token"] / forward
-        return prefill + size["tokens"] / min(batch * decode_tps, forward / shape["flops_per_token"])
-    if stage == "extract":
-        return 0.0 if cfg.extract.mode == "online" else size["tokens"] * shape["flops_per_token"] / forward
-    if stage == "train":
-        return _train_flops(cfg, size, shape) / (flops * MFU_TRAIN)
-    return 2 * size["tokens"] / decode_tps  # evaluate: baseline + speculative decoding, batch 1, tau = 1
+    flops = tflops * 1e12
+    return flops, flops * MFU_FORWARD, DECODE_BW * gbs * 1e9 / (shape["params"] * _param_bytes(cfg, name))
+
+
+def regenerate_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float | None:
+    if cfg.regenerate.engine == "openai":
+        return None  # an endpoint's speed is not known here
+    _, forward, decode_tps = _rates(cfg, cfg.target.device, shape)
+    batch = VLLM_BATCH if cfg.regenerate.engine == "vllm" else cfg.regenerate.batch_size
+    prefill = size["rows"] * prompt_tokens * shape["flops_per_token"] / forward
+    return prefill + size["tokens"] / min(batch * decode_tps, forward / shape["flops_per_token"])
+
+
+def extract_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float:
+    _, forward, _ = _rates(cfg, cfg.target.device, shape)
+    return 0.0 if cfg.extract.mode == "online" else size["tokens"] * shape["flops_per_token"] / forward
+
+
+def train_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float:
+    flops, _, _ = _rates(cfg, cfg.train.device, shape)
+    return _train_flops(cfg, size, shape) / (flops * MFU_TRAIN)
+
+
+def evaluate_seconds(cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float:
+    _, _, decode_tps = _rates(cfg, cfg.evaluate.device, shape)
+    return 2 * size["tokens"] / decode_tps  # baseline + speculative decoding, batch 1, tau = 1
 
 
 def _train_flops(cfg: RunConfig, size: dict, shape: dict) -> float:

@@ -26,10 +26,9 @@ from draftflow.estimate import (
     assumptions,
     feature_bytes,
     hardware,
+    measured_size,
     model_shape,
     source_estimate,
-    stage_seconds,
-    stage_sizes,
     target_config,
     train_tokens,
 )
@@ -37,6 +36,7 @@ from draftflow.runstate import stage_states
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
+from draftflow.stages.registry import spec, stage_names
 from draftflow.store import Store
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
@@ -213,6 +213,40 @@ def human_bytes(n: float) -> str:
     while abs(n) >= 1024 and k < len(units) - 1:
         n, k = n / 1024, k + 1
     return f"{n:.0f} B" if k == 0 else f"{n:.1f} {units[k]}"
+
+
+# ----------------------------------------------------------------------------- sizes and times by stage
+# Each stage's size and time model is its `StageSpec.size` / `.seconds` (the models: `draftflow.estimate`).
+
+
+def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, Any]:
+    """A stage's size from its upstream's (measured or estimated) size and the config, by its spec's size
+    model; a stage without one is at most its input."""
+    s = spec(stage)
+    up = sizes.get(s.upstream[0]) if s.upstream else None
+    if s.upstream and (up is None or up.get("rows") is None):
+        return {"basis": "unknown"}
+    if s.size is None:
+        return {k: v for k, v in up.items() if k != "basis"} if up else {"basis": "unknown"}
+    return s.size(cfg, up, sizes, ctx)
+
+
+def stage_sizes(cfg: RunConfig, manifests: dict[str, Manifest], ctx: dict) -> dict[str, dict[str, Any]]:
+    """Per stage: rows, tokens, bytes and basis ("measured", "estimated" or "unknown")."""
+    sizes: dict[str, dict[str, Any]] = {}
+    for stage in stage_names():
+        if stage in manifests:
+            sizes[stage] = measured_size(stage, manifests[stage])
+        else:
+            sizes[stage] = {"basis": "estimated", "bytes": None} | _estimate(stage, cfg, sizes, ctx)
+    return sizes
+
+
+def stage_seconds(stage: str, cfg: RunConfig, size: dict, shape: dict, prompt_tokens: float) -> float | None:
+    """Estimated seconds of one stage on its configured device, by its spec's time model; None when
+    unknown (no model, no size, or e.g. HTTP endpoints)."""
+    seconds = spec(stage).seconds
+    return None if seconds is None or size.get("rows") is None else seconds(cfg, size, shape, prompt_tokens)
 
 
 # ----------------------------------------------------------------------------- plan

@@ -76,10 +76,15 @@ def test_library_imports_no_module_by_computed_name():
     assert offenders == []
 
 
-def test_library_versions_enter_the_stages_they_shape():
-    from draftflow.codehash import library_versions
+def test_library_versions_enter_the_stages_they_shape_as_a_fingerprint_input():
+    from draftflow.config import RunConfig
+    from draftflow.stages.registry import spec, stage_inputs
 
-    assert library_versions("curate") == {}
-    tok = library_versions("tokenize")
-    assert set(tok) == {"transformers", "tokenizers"} and all("+" not in v for v in tok.values())
-    assert "+" not in library_versions("extract")["torch"]  # 2.13.0+cpu and 2.13.0+cu130 agree
+    cfg = RunConfig()
+    assert "libraries" not in stage_inputs(cfg, "curate", None, {})
+    tok = stage_inputs(cfg, "tokenize", "t", {"regenerate": "d"})["libraries"]
+    names = [p.split("=")[0] for p in tok.split(";")]
+    assert names == list(spec("tokenize").libraries) == ["transformers", "tokenizers"]
+    assert "+" not in tok  # no local build tags: 2.13.0+cpu and 2.13.0+cu130 agree
+    extract = stage_inputs(cfg, "extract", "t", {"tokenize": "d"})["libraries"]
+    assert extract.startswith("torch=") and "+" not in extract

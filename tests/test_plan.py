@@ -9,8 +9,8 @@ import pytest
 
 from draftflow.contracts import Manifest, ShardEntry, StageResult
 from draftflow.errors import DraftflowError
-from draftflow.estimate import feature_bytes_per_token, stage_sizes
-from draftflow.plan import check_space, environment, free_space, plan, preflight
+from draftflow.estimate import feature_bytes_per_token
+from draftflow.plan import check_space, environment, free_space, plan, preflight, stage_sizes
 from tests.conftest import tiny_config
 
 # The tiny target: hidden 64, 8 layers; tests.conftest's tiny config taps 3 of them.

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import REGENERATED, read_rows
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
 from draftflow.stages.registry import StageSpec, inserted, stage_names
@@ -24,7 +25,8 @@ from tests.conftest import tiny_config
 MIN_ANSWER_TOKENS = 3
 
 
-def short_answers_shard(store: Store, fp: str, cfg, target: TargetRef, source: Source, shard: dict) -> dict:
+def short_answers_shard(store: Store, fp: str, cfg, target: TargetRef, source: Source,
+                        shard: ShardEntry) -> ShardResult:
     """Keep the conversations whose every regenerated answer has at least MIN_ANSWER_TOKENS tokens."""
     rows = read_rows(store.verify_sha(*source, shard))
     keep, rejects = [], []
@@ -34,9 +36,8 @@ def short_answers_shard(store: Store, fp: str, cfg, target: TargetRef, source: S
         else:
             rejects.append(reject(r["source"], "short_answer", f"< {MIN_ANSWER_TOKENS} tokens", r["sample_id"]))
     tokens = sum(g["completion_tokens"] for r in keep for g in r["generated"])
-    entry = write_parquet(store, "short_answers", fp, shard["name"], keep, REGENERATED, tokens=tokens,
-                          split=shard["split"])
-    rejected = write_rejects(store, "short_answers", fp, shard["name"], rejects)
+    entry = write_parquet(store, "short_answers", fp, shard.name, keep, REGENERATED, tokens=tokens, split=shard.split)
+    rejected = write_rejects(store, "short_answers", fp, shard.name, rejects)
     return shard_result(entry, rejected, len(rows), len(keep), Counter(r["reason"] for r in rejects))
 
 
@@ -67,7 +68,7 @@ def test_a_stage_added_through_the_registry_runs_is_planned_and_fingerprinted(pr
         assert manifest["config"] == {"regenerate.max_new_tokens": cfg.regenerate.max_new_tokens}
         assert set(manifest["inputs"]) == {"target", "regenerate"}
         tok = json.loads((Path(stages["tokenize"]["path"]) / "manifest.json").read_text())
-        assert set(tok["inputs"]) == {"target", "short_answers"}  # tokenize read the new stage's output
+        assert set(tok["inputs"]) == {"target", "libraries", "short_answers"}  # read the new stage's output
         assert stages["tokenize"]["rows_in"] == ours["rows_out"]
 
         status = {s["stage"]: s for s in stage_status(cfg, target)}

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from draftflow.codehash import library_versions
 from draftflow.config import STAGE_SECTIONS, RunConfig
 from draftflow.contracts import ShardResult
 from draftflow.errors import ConfigError
@@ -71,6 +72,29 @@ def _extract_shard(*args: Any, **kwargs: Any) -> ShardResult:
     return extract.run_shard(*args, **kwargs)
 
 
+def _size(name: str) -> Callable[..., dict[str, Any]]:
+    """The size model `draftflow.estimate.<name>_size` (imported when `plan` first calls it)."""
+    def size(*args: Any) -> dict[str, Any]:
+        from draftflow import estimate
+
+        return getattr(estimate, f"{name}_size")(*args)
+    return size
+
+
+def _seconds(name: str) -> Callable[..., float | None]:
+    """The time model `draftflow.estimate.<name>_seconds` (imported when `plan` first calls it)."""
+    def seconds(*args: Any) -> float | None:
+        from draftflow import estimate
+
+        return getattr(estimate, f"{name}_seconds")(*args)
+    return seconds
+
+
+# Third-party libraries whose version can change a stage's bytes (in its code hash, `draftflow.codehash`):
+# the chat template renderer and tokenizer, the model code and kernels.
+TARGET_LIBRARIES = ("torch", "transformers")
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """What the rest of draftflow needs to know about a stage.
@@ -89,6 +113,9 @@ class StageSpec:
             of its own.
         check: `(cfg, target)`, run before any shard (e.g. an unreachable endpoint fails here).
         finish: `(store, fp, cfg, target, results) -> (results, manifest extra)`, after every shard.
+        libraries: third-party packages whose versions are part of its code hash (`draftflow.codehash`).
+        size: `(cfg, upstream size, sizes so far, ctx) -> size` for `plan`; None: at most its input.
+        seconds: `(cfg, size, model shape, prompt tokens) -> seconds or None` for `plan`; None: unknown.
     """
 
     name: str
@@ -100,7 +127,10 @@ class StageSpec:
     sections: tuple[str, ...] | None = None
     run_shard: Callable[..., dict[str, Any]] | None = None
     check: Callable[..., None] | None = None
-    finish: Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]] | None = None
+    finish: Callable[..., tuple[list[ShardResult], dict[str, Any]]] | None = None
+    libraries: tuple[str, ...] = ()
+    size: Callable[..., dict[str, Any]] | None = None
+    seconds: Callable[..., float | None] | None = None
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -108,14 +138,19 @@ class StageSpec:
 
 
 _REGISTRY: list[StageSpec] = [
-    StageSpec("curate", (), uses_target=False),
+    StageSpec("curate", (), uses_target=False, size=_size("curate"), seconds=_seconds("curate")),
     StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
-              split="train", run_shard=_regenerate_shard, check=_regenerate_check),
-    StageSpec("tokenize", ("regenerate",), run_shard=_tokenize_shard, finish=_tokenize_finish),
+              split="train", run_shard=_regenerate_shard, check=_regenerate_check,
+              libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate")),
+    StageSpec("tokenize", ("regenerate",), run_shard=_tokenize_shard, finish=_tokenize_finish,
+              libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize")),
     StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
-              run_shard=_extract_shard),
-    StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node),
-    StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine)),
+              run_shard=_extract_shard, libraries=TARGET_LIBRARIES, size=_size("extract"),
+              seconds=_seconds("extract")),
+    StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node,
+              libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train")),
+    StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
+              libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate")),
 ]
 
 
@@ -198,7 +233,8 @@ def external_inputs(cfg: RunConfig, stage: str) -> dict[str, str]:
 
 
 def stage_inputs(cfg: RunConfig, stage: str, target_fp: str | None, digests: dict[str, str]) -> dict[str, str]:
-    """The fingerprint inputs of `stage`: outside inputs, the target, and each upstream manifest's digest.
+    """The fingerprint inputs of `stage`: outside inputs, the target, the versions of the libraries that
+    shape its bytes, and each upstream manifest's digest.
 
     Args:
         digests: the manifest digest of (at least) every upstream stage.
@@ -207,4 +243,6 @@ def stage_inputs(cfg: RunConfig, stage: str, target_fp: str | None, digests: dic
     inputs = external_inputs(cfg, stage)
     if s.uses_target:
         inputs["target"] = target_fp
+    if s.libraries:  # their versions: a new transformers may render or compute differently
+        inputs["libraries"] = library_versions(s.libraries)
     return inputs | {u: digests[u] for u in s.upstream}
