@@ -22,6 +22,6 @@ def test_curate_flow_scans_parts_as_tasks_and_publishes_source_table(prefect_har
     m = result.manifest
     assert result.status == "ran" and m.extra["parts"] == 4
     assert m.dropped == {"duplicate": 20} and m.rows_out == 60
-    assert curate_flow(cfg)["status"] == "reused"
+    assert curate_flow(cfg).status == "reused"
     table = Artifact.get("flowtest-curate-sources")
     assert table is not None and "glob" in str(table.data)

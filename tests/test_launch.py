@@ -52,9 +52,9 @@ def test_torchrun_stage_equals_in_process_training(front, tiny_target, caplog):
     assert "[rank 0]" in caplog.text and "[rank 1]" in caplog.text  # two real processes, their output logged
     # A complete stage keeps no work folder (its launch/torchrun.log goes with it; a failed one keeps it).
     assert not (root / "train" / "fp-one" / "work").exists() and not (root / "train" / "fp-ddp" / "work").exists()
-    assert ddp["rows_out"] == one["rows_out"] and ddp["extra"]["trained_tokens"] == one["extra"]["trained_tokens"]
-    assert ddp["extra"]["metrics"]["steps"] == 4
-    assert ddp["extra"]["metrics"]["loss"] == pytest.approx(one["extra"]["metrics"]["loss"], rel=1e-4)
+    assert ddp.rows_out == one.rows_out and ddp.extra["trained_tokens"] == one.extra["trained_tokens"]
+    assert ddp.extra["metrics"]["steps"] == 4
+    assert ddp.extra["metrics"]["loss"] == pytest.approx(one.extra["metrics"]["loss"], rel=1e-4)
     w1, w2 = _weights(root, "fp-one"), _weights(root, "fp-ddp")
     assert set(w2) == set(w1)
     for k in w1:

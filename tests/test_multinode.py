@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import load
 
 from draftflow.config import TrainConfig
+from draftflow.contracts import StoredFeatures
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
 from draftflow.stages.common import Source, finalize
@@ -54,10 +55,11 @@ def cluster(tmp_path_factory, tiny_target):
         store.fs.mkdir(BUCKET)
         cfg = tiny_config(RUN, *TRAIN)
         store, _, _, _, tres = run_front(cfg, tiny_target)
-        eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres["shard"])
-        features = {"manifest": finalize(store, "extract", "exfp", cfg, {}, [eres]), "fingerprint": "exfp"}
+        eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
+        manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
+        features = StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
         one = _train(tiny_target, features, "fp-one")  # 1 node, 1 process: in-process
-        assert one["extra"]["metrics"]["steps"] == 4
+        assert one.extra["metrics"]["steps"] == 4
         yield {"features": features, "store": store, "one": _weights(store, "fp-one"), "tmp": tmp_path_factory}
 
 
@@ -171,7 +173,7 @@ def test_two_nodes_sharing_only_s3_equal_one_node(cluster, tiny_target, caplog):
     a_ranks, b_ranks = {r for r in ranks if r in caplog.text}, {r for r in ranks if r in node_b.output()}
     assert len(a_ranks) == len(b_ranks) == 1 and a_ranks | b_ranks == ranks  # one rank on each node
     assert "run on every other node" in caplog.text and node_b.spec in caplog.text  # the command for node B
-    assert two["extra"]["metrics"]["steps"] == 4
+    assert two.extra["metrics"]["steps"] == 4
     _assert_same_weights(cluster["one"], _weights(cluster["store"], "fp-two"))
     store = cluster["store"]
     for name in ("export/vllm/config.json", "export/speculators/config.json"):  # exported from rank 0's files
@@ -216,7 +218,7 @@ def test_a_node_killed_mid_run_resumes_from_the_store_to_the_same_weights(cluste
         again = _train(tiny_target, cluster["features"], "fp-kill", *_two_nodes(node_b))
     assert node_b.wait() == 0, node_b.output()[-3000:]
     assert "at step 2 of 4" in caplog.text and "at step 2 of 4" in node_b.output()  # "resumed from ... at step 2"
-    assert again["extra"]["metrics"]["steps"] == 4
+    assert again.extra["metrics"]["steps"] == 4
     # Node B held a step-2 checkpoint in its work folder (written as rank 0, or pulled): gone once the run is done.
     assert not [f for f in (tmp / "cache" / "train-work").rglob("*") if f.is_file()]
     _assert_same_weights(cluster["one"], _weights(store, "fp-kill"))

@@ -155,7 +155,7 @@ def test_pipeline_on_ray_writes_the_same_manifests_as_on_threads(prefect_harness
         store = Store(cfg.root)
         manifests = [(s, store.read_manifest(s["stage"], s["fingerprint"])) for s in summary["stages"][:4]]
         runs[name] = [(s["stage"], s["fingerprint"], manifest_digest(m),
-                       sorted((e["name"], e["sha256"]) for e in m["shards"])) for s, m in manifests]
+                       sorted((e.name, e.sha256) for e in m.shards)) for s, m in manifests]
         tau[name], model[name] = summary["tau"], sha256_file(Path(summary["checkpoint"]) / "model.safetensors")
     assert runs["ray"] == runs["threads"] and all(r[3] for r in runs["ray"])
     assert model["ray"] == model["threads"] and tau["ray"] == tau["threads"]

@@ -61,8 +61,8 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     assert not Path(store.stage_path("regenerate", "killed", shard.name)).exists()  # nothing looks complete
 
     resumed = regenerate.run_shard(store, "killed", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
-    ref_rows = read_rows(store.stage_path("regenerate", "reference", reference["shard"]["name"]))
-    got_rows = read_rows(store.stage_path("regenerate", "killed", resumed["shard"]["name"]))
+    ref_rows = read_rows(store.stage_path("regenerate", "reference", reference.shard.name))
+    got_rows = read_rows(store.stage_path("regenerate", "killed", resumed.shard.name))
     assert [r["sample_id"] for r in got_rows] == [r["sample_id"] for r in ref_rows]  # no loss, no duplicate
     assert _texts(got_rows) == _texts(ref_rows)  # greedy: the same answers
     assert not partial.exists()  # the checkpoint is cleared once the shard is committed

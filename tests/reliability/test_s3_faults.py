@@ -65,6 +65,7 @@ def through(moto_endpoint, monkeypatch):
 
 def _stage_round_trip(root: str) -> None:
     """What a stage does on its store: commit shards, write and read the manifest, read shards back, clean up."""
+    from draftflow.contracts import Manifest
     from draftflow.stages.common import remove_scratch
     from draftflow.store import Store, shard_entry
 
@@ -75,9 +76,8 @@ def _stage_round_trip(root: str) -> None:
         with store.writing(store.stage_path("s", "fp", name)) as tmp:
             open(tmp, "wb").write(payload)
             entries.append(shard_entry(name, tmp, rows=1))
-    manifest = {"version": 2, "stage": "s", "fingerprint": "fp", "code_version": "c", "config": {}, "inputs": {},
-                "shards": entries[:1], "rejected": [], "rows_in": 1, "rows_out": 1, "dropped": {}, "tokens": 0,
-                "extra": {}}
+    manifest = Manifest(stage="s", fingerprint="fp", code_version="c", config={}, inputs={}, shards=tuple(entries[:1]),
+                        rows_in=1, rows_out=1, dropped={}, tokens=0)
     store.write_manifest("s", "fp", manifest)
     remove_scratch(store, "s", "fp", "partial")
     assert store.read_manifest("s", "fp") == manifest
