@@ -124,7 +124,7 @@ def main() -> None:
     print(f"curate stage   : {n / stage_s:10.0f} rows/s ({stage_s:.1f}s, {args.workers} scan workers, "
           f"near-dup {args.near_dup or 'off'})")
     print(f"stage/raw      : {raw_s / stage_s:.2f}x the raw read's throughput")
-    print(f"rows in {m['rows_in']}, out {m['rows_out']}, dropped {m['dropped']}, shards {len(m['shards'])}")
+    print(f"rows in {m.rows_in}, out {m.rows_out}, dropped {m.dropped}, shards {len(m.shards)}")
     print(f"peak RSS       : main {_peak_mb(resource.RUSAGE_SELF):.0f} MB (before the stage {base:.0f} MB), "
           f"largest scan worker {_peak_mb(resource.RUSAGE_CHILDREN):.0f} MB")
     if args.keep is None:

@@ -63,6 +63,17 @@ class ShardEntry(BaseModel):
         return self.model_dump(mode="json", exclude_none=True)
 
 
+class SourcePart(_Frozen):
+    """One scan unit of the curate stage: contiguous files of one source (`stages.curate.plan_parts`).
+    `sha256` stands for its content (the source's settings and its files' keys), never a path or a time."""
+
+    name: str
+    source: str
+    files: tuple[str, ...]
+    bytes: int = Field(ge=0)
+    sha256: str
+
+
 def _check_accounting(rows_in: int, rows_out: int, dropped: dict[str, int], what: str) -> None:
     lost = rows_in - rows_out - sum(dropped.values())
     if lost:

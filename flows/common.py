@@ -108,8 +108,7 @@ def _shard_done(stage: str, shard, future, by_rows: bool) -> None:
     if future.state.is_completed():
         out = future.result().shard
         n = shard.rows if by_rows else 1
-        name = shard.name if by_rows else shard["name"]
-        progress.report(stage, n, n, part=out.name if out else name, skipped=future.state.name == "Cached")
+        progress.report(stage, n, n, part=out.name if out else shard.name, skipped=future.state.name == "Cached")
 
 
 def publish_counts(cfg: RunConfig, stage: str, result: StageResult) -> None:

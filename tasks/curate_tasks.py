@@ -11,14 +11,14 @@ from __future__ import annotations
 from prefect import task
 
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest, ShardResult
+from draftflow.contracts import Manifest, ShardResult, SourcePart
 from draftflow.stages import curate
 from draftflow.store import Store
 from tasks.stage_tasks import SHARD, STAGE
 
 
 @task(name="curate-scan", **SHARD)
-def curate_scan(cfg: RunConfig, fp: str, shard: dict, tokenizer: str | None = None) -> ShardResult:
+def curate_scan(cfg: RunConfig, fp: str, shard: SourcePart, tokenizer: str | None = None) -> ShardResult:
     return curate.scan_part_isolated(Store(cfg.root), fp, cfg, shard, tokenizer)
 
 

@@ -88,7 +88,7 @@ def test_every_stage_writes_its_shards_and_manifest_to_the_bucket(s3_runs, s3_cr
     for s in summary["stages"]:
         assert s["path"].startswith(f"{ROOT}/{s['stage']}/")
         manifest = store.read_manifest(s["stage"], s["fingerprint"])  # exists and every shard verifies by size
-        assert manifest is not None and manifest["shards"]
+        assert manifest is not None and manifest.shards
     assert summary["checkpoint"].startswith(f"{ROOT}/train/")
     assert s3_creds.exists(f"{summary['checkpoint']}/model.safetensors")
     assert s3_creds.exists(f"{ROOT}/run.json")
@@ -99,15 +99,15 @@ def test_every_stage_writes_its_shards_and_manifest_to_the_bucket(s3_runs, s3_cr
 
 
 def test_prefect_task_results_live_under_the_run_root(s3_runs, s3_creds):
-    from draftflow.stages.common import data_shards, shard_key
+    from draftflow.stages.common import shard_key
     from draftflow.store import Store
 
     fps = {s["stage"]: s["fingerprint"] for s in s3_runs["first"]["stages"]}
     manifests = {stage: Store(ROOT).read_manifest(stage, fp) for stage, fp in fps.items()}
-    expected = {shard_key(fps[stage], e["sha256"], e["name"])
+    expected = {shard_key(fps[stage], e.sha256, e.name)
                 for stage, upstream, split in (("regenerate", "curate", "train"), ("tokenize", "regenerate", None),
                                                ("extract", "tokenize", "train"))
-                for e in data_shards(manifests[upstream], split)}
+                for e in manifests[upstream].data_shards(split)}
     stored = {p.rsplit("/", 1)[-1] for p in s3_creds.find(f"{ROOT}/_prefect_results")}
     assert len(expected) >= 6 and expected <= stored  # one record per shard task (plus curate's scans)
     assert not s3_runs["prefect_storage_new"]  # Prefect's local default storage got nothing

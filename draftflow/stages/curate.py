@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftflow.config import CurateConfig, RunConfig, SourceConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, SourcePart
 from draftflow.data import dedup, mixture, stats
 from draftflow.data.filters import needs_tokens
 from draftflow.data.readers import check_source, file_keys, source_files, source_key
@@ -101,23 +101,23 @@ def source_fingerprint_inputs(cfg: RunConfig) -> dict[str, str]:
     return inputs
 
 
-def _part(src: SourceConfig, index: int, files: list[str]) -> dict[str, Any]:
+def _part(src: SourceConfig, index: int, files: list[str]) -> SourcePart:
     import fsspec
 
     sizes = [fsspec.core.url_to_fs(f)[0].size(fsspec.core.url_to_fs(f)[1]) or 0 for f in files]
     content = source_key(src) if src.hf else list(zip(files, file_keys(files)))
-    return {"name": f"part-{index:05d}", "source": src.name, "files": files, "bytes": sum(sizes),
-            "sha256": digest({"source": src.model_dump(mode="json"), "content": content})}
+    return SourcePart(name=f"part-{index:05d}", source=src.name, files=tuple(files), bytes=sum(sizes),
+                      sha256=digest({"source": src.model_dump(mode="json"), "content": content}))
 
 
-def plan_parts(cfg: CurateConfig) -> list[dict[str, Any]]:
+def plan_parts(cfg: CurateConfig) -> list[SourcePart]:
     """The scan units: contiguous groups of each source's files (one per hf source).
 
     Each part has a `name`, its `source`, `files`, `bytes`, and a `sha256` that
     stands for its content (a cache key, never a path or a time).
     """
     per_source = max(1, MAX_PARTS // len(cfg.sources))
-    parts: list[dict[str, Any]] = []
+    parts: list[SourcePart] = []
     for src in cfg.sources:
         files = source_files(src)
         n = max(1, min(per_source, len(files)))
@@ -136,30 +136,30 @@ def _commit(store: Store, fp: str, name: str, local: str, rows: int, **extra: An
         return shard_entry(name, tmp, rows=rows, **extra)
 
 
-def scan_part(store: Store, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None = None
+def scan_part(store: Store, fp: str, cfg: RunConfig, part: SourcePart, tokenizer: str | None = None
               ) -> ShardResult:
     """Scan one part into `parts/<name>.parquet` (+ its rejects); return the entries and counts
     (`info`: the part's name and source)."""
-    src = _source(cfg.curate, part["source"])
-    out, rej, counts = scan_local(cfg.curate, src, part["files"], tokenizer or cfg.curate.tokenizer)
+    src = _source(cfg.curate, part.source)
+    out, rej, counts = scan_local(cfg.curate, src, list(part.files), tokenizer or cfg.curate.tokenizer)
     try:
-        entry = _commit(store, fp, f"{PARTS}/{part['name']}.parquet", out, counts["rows_out"])
-        rejected = _commit(store, fp, f"rejected-curate-{part['name'][5:]}.parquet", rej, counts["rejects"]) \
+        entry = _commit(store, fp, f"{PARTS}/{part.name}.parquet", out, counts["rows_out"])
+        rejected = _commit(store, fp, f"rejected-curate-{part.name[5:]}.parquet", rej, counts["rejects"]) \
             if rej else None
     finally:
         shutil.rmtree(os.path.dirname(out), ignore_errors=True)
     return ShardResult(shard=entry, rejected=rejected, rows_in=counts["rows_in"], rows_out=counts["rows_out"],
-                       dropped=dict(counts["dropped"]), info={"part": part["name"], "source": src.name})
+                       dropped=dict(counts["dropped"]), info={"part": part.name, "source": src.name})
 
 
-def _scan_in_child(root: str, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None) -> ShardResult:
+def _scan_in_child(root: str, fp: str, cfg: RunConfig, part: SourcePart, tokenizer: str | None) -> ShardResult:
     return scan_part(Store(root), fp, cfg, part, tokenizer)
 
 
-def scan_part_isolated(store: Store, fp: str, cfg: RunConfig, part: dict[str, Any], tokenizer: str | None = None,
+def scan_part_isolated(store: Store, fp: str, cfg: RunConfig, part: SourcePart, tokenizer: str | None = None,
                        min_bytes: int = 16 << 20) -> ShardResult:
     """`scan_part` in a fresh process when the part is big (parsing holds the GIL; threads would not scale)."""
-    if part["bytes"] < min_bytes:
+    if part.bytes < min_bytes:
         return scan_part(store, fp, cfg, part, tokenizer)
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(_scan_in_child, store.root, fp, cfg, part, tokenizer).result()
