@@ -124,8 +124,8 @@ def test_failed_shard_is_the_only_one_recomputed(prefect_harness, tmp_path, monk
     calls: list[str] = []
 
     def failing(store, fp, cfg, target, source, shard):
-        calls.append(shard["name"])
-        if shard["name"] == "train-00002.parquet":
+        calls.append(shard.name)
+        if shard.name == "train-00002.parquet":
             raise RuntimeError("injected extract failure")
         return real(store, fp, cfg, target, source, shard)
 
@@ -135,7 +135,7 @@ def test_failed_shard_is_the_only_one_recomputed(prefect_harness, tmp_path, monk
         pipeline(cfg)
     assert {"train-00000.parquet", "train-00001.parquet"} <= set(calls)
     calls.clear()
-    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1].name) or real(*a))
     summary = pipeline(cfg)
     assert calls == ["train-00002.parquet"]  # the finished shards came from the Prefect cache
     assert [s["status"] for s in summary["stages"]][:4] == ["reused", "reused", "reused", "ran"]
@@ -157,7 +157,7 @@ def test_a_cached_shard_damaged_in_place_is_recomputed(prefect_harness, tmp_path
     (extract_dir / "manifest.json").unlink()  # the stage must be rebuilt from its (cached) shard tasks
     calls: list[str] = []
     real = extract_lib.run_shard
-    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1].name) or real(*a))
     again = pipeline(cfg)
     assert calls == ["train-00001.parquet"]  # the other shards came from the cache
     assert sha256_file(shard) == original

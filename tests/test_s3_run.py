@@ -139,7 +139,7 @@ def test_lost_manifest_is_rebuilt_from_task_results_cached_on_s3(s3_runs, s3_cre
     s3_creds.rm(f"{extract['path']}/manifest.json")
     calls: list[str] = []
     real = extract_lib.run_shard
-    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1]["name"]) or real(*a))
+    patch_stage(monkeypatch, "extract", run_shard=lambda *a: calls.append(a[-1].name) or real(*a))
     again = pipeline(tiny_config(ROOT))
     assert [s["status"] for s in again["stages"]] == ["reused"] * 3 + ["ran", "reused", "reused"]
     assert calls == [] and s3_creds.exists(f"{extract['path']}/manifest.json")
