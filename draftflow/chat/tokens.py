@@ -143,7 +143,8 @@ def _types(node: Any) -> set[str]:
 def _safe_cut_pattern(backend: Any) -> re.Pattern[str] | None:
     if getattr(backend, "encode_special_tokens", False):
         return None
-    pre = json.loads(backend.to_str()).get("pre_tokenizer")
+    pre = backend.pre_tokenizer
+    pre = None if pre is None else json.loads(pre.__getstate__())  # its JSON, as in tokenizer.json
     if not _types(pre) <= _PIECEWISE_PRE_TOKENIZERS:
         return None
     added = list(backend.get_added_tokens_decoder().values())
