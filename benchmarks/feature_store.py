@@ -3,7 +3,7 @@
 Writes >= 2 GB of synthetic bf16 features as feature shards (`write_feature_shard`) and reads
 them back the way the training loop does: through `FeatureSource.take`, one step's samples at a
 time, in the order of `step_indices` (a seeded shuffle of every sample, cut in batches), the next
-step's samples read by the prefetch thread meanwhile. A pread delivers every byte into memory, so
+step's samples read by the reader threads meanwhile. A pread delivers every byte into memory, so
 nothing is touched again (a sum over the features would time the CPU, not the store). `--verify`
 adds a read that checks every sample against its sha256 in the index, as training does on v3
 shards (CPU-bound where hashing is slower than the disk).
@@ -121,7 +121,7 @@ def store_write(folder: Path, shards: int, samples: list[FeatureSample]) -> tupl
 
 def store_read(paths: list[Path], verify: bool = False) -> float:
     """Seconds to read every sample as the training loop does: one step's batch at a time, shuffled,
-    the next step's read by the prefetch thread meanwhile; with `verify`, each sample checked against
+    the next step's read by the reader threads meanwhile; with `verify`, each sample checked against
     its sha256 in the index (what training does on format v3 shards)."""
     t0 = time.perf_counter()
     shards = [FeatureShard(p) for p in paths]
