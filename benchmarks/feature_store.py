@@ -3,7 +3,7 @@
 Writes >= 2 GB of synthetic bf16 features as feature shards (`write_feature_shard`) and reads
 them back the way the training loop does: through `FeatureSource.take`, one step's samples at a
 time, in the order of `step_indices` (a seeded shuffle of every sample, cut in batches), the next
-step's samples read by the prefetch thread meanwhile. A pread delivers every byte into memory, so
+step's samples read by the reader threads meanwhile. A pread delivers every byte into memory, so
 nothing is touched again (a sum over the features would time the CPU, not the store). `--verify`
 adds a read that checks every sample against its sha256 in the index, as training does on v3
 shards (CPU-bound where hashing is slower than the disk).
@@ -12,9 +12,10 @@ Baselines, same run: raw write = the same number of bytes written in 8 MiB block
 raw read = the shard files themselves read front to back in 8 MiB blocks (the same blocks on disk,
 so only the access pattern differs; a separate file read faster or slower than the shards on this
 VM's disk, by up to 4x either way). Prints MB/s and the ratio store/raw for both (target >= 0.8),
-per repeat (store and raw interleaved, so load from other users hits both alike; who reads first
-alternates, because on this VM a read right after another of the same bytes can be served by the
-host's cache, which the guest cannot evict) and the median.
+per repeat (store and raw interleaved, so load from other users hits both alike) and the median.
+The order is store, raw, store, raw: on this VM a read can be served partly by the host's cache,
+which the guest cannot evict, and two sequential reads of the same bytes in a row ran at up to
+3 GB/s against ~2 GB/s otherwise; in S R S R every read follows one of the other side.
 
 Reads are cold by default, and the output says how: `drop_caches` (root with a writable
 /proc/sys/vm/drop_caches), else `fadvise` (posix_fadvise DONTNEED of every file after fsync,
@@ -121,7 +122,7 @@ def store_write(folder: Path, shards: int, samples: list[FeatureSample]) -> tupl
 
 def store_read(paths: list[Path], verify: bool = False) -> float:
     """Seconds to read every sample as the training loop does: one step's batch at a time, shuffled,
-    the next step's read by the prefetch thread meanwhile; with `verify`, each sample checked against
+    the next step's read by the reader threads meanwhile; with `verify`, each sample checked against
     its sha256 in the index (what training does on format v3 shards)."""
     t0 = time.perf_counter()
     shards = [FeatureShard(p) for p in paths]
@@ -177,7 +178,7 @@ def bench_store(args) -> None:
         for r in range(args.repeats or 2):
             sides = {"store": lambda: store_read(paths), "raw": lambda: raw_read(paths, args.raw_block_mb << 20)}
             secs, how = {}, {}
-            for side in (("store", "raw") if r % 2 == 0 else ("raw", "store")):  # alternate who reads first
+            for side in ("store", "raw"):  # S R S R: each read follows one of the other side (see the docstring)
                 how[side] = evict(paths, args.warm)
                 secs[side] = sides[side]()
             sr, rr = secs["store"], secs["raw"]

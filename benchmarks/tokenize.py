@@ -19,6 +19,7 @@ the lead comes from cheaper calls rather than from less work.
 
 Usage: python -m benchmarks.tokenize [--conversations 10000] [--repeats 3]
        [--policies last_turn,auto,per_turn] [--tokenizer tests/fixtures/tokenizers/qwen3]
+       [--chat-template tests/fixtures/chat_templates/<name>.jinja]
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
     sys.path.pop(0)
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import random  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -147,6 +151,18 @@ def measure(rows: list[dict], args: argparse.Namespace) -> Timings:
     return timings
 
 
+def with_template(folder: str, template: Path) -> str:
+    """A temporary copy of the tokenizer folder whose tokenizer_config.json carries `template`."""
+    out = Path(tempfile.mkdtemp(prefix="tokenize-bench-"))
+    for f in Path(folder).iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = template.read_text()
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
 RAW, RAW_FAST = "raw render+tokenize (baseline)", "raw, draftflow's calls"
 
 
@@ -156,7 +172,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokenizer", default=str(ROOT / "tests/fixtures/tokenizers/qwen3"))
     ap.add_argument("--policies", default="last_turn,auto,per_turn")
+    ap.add_argument(
+        "--chat-template",
+        help="a Jinja file to use instead of the tokenizer's own template, "
+        "e.g. tests/fixtures/chat_templates/Qwen-Qwen2.5-7B-Instruct.jinja (prefix-stable: auto merges turns)",
+    )
     args = ap.parse_args()
+    if args.chat_template:
+        args.tokenizer = with_template(args.tokenizer, Path(args.chat_template))
     rng = random.Random(0)
     rows = [conversation(rng, i) for i in range(args.conversations)]
     n, load = len(rows), os.getloadavg()[0]

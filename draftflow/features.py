@@ -39,6 +39,7 @@ import math
 import os
 import struct
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,9 +102,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def _write(path: str | Path, specs: list[tuple[str, torch.dtype, list[int], Iterable[torch.Tensor]]],
-           meta: dict[str, str]) -> None:
-    """Write a safetensors file tensor by tensor, each from an iterable of row blocks."""
+def _header(specs: list, meta: dict[str, str]) -> tuple[dict, bytes]:
     header: dict = {"__metadata__": meta}
     off = 0
     for name, dtype, shape, _ in specs:
@@ -112,14 +111,31 @@ def _write(path: str | Path, specs: list[tuple[str, torch.dtype, list[int], Iter
         off += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
+    return header, struct.pack("<Q", len(raw)) + raw
+
+
+def _write(path: str | Path, specs: list[tuple[str, torch.dtype, list[int], Iterable[torch.Tensor]]],
+           meta: dict[str, str], final_meta: Future | None = None) -> None:
+    """Write a safetensors file tensor by tensor, each from an iterable of row blocks.
+
+    With `final_meta` (metadata still being computed, e.g. checksums hashed in another thread),
+    `meta` is a placeholder of the same encoded length: the data is written meanwhile, then the
+    header again with the final metadata.
+    """
+    header, raw = _header(specs, meta)
     with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.write(raw)
         for name, _, _, parts in specs:
             start = fh.tell()
             for part in parts:
                 fh.write(_bytes(part))
             lo, hi = header[name]["data_offsets"]
             assert fh.tell() - start == hi - lo, f"{name}: wrote {fh.tell() - start} bytes, header says {hi - lo}"
+        if final_meta is not None:
+            _, final = _header(specs, final_meta.result())
+            assert len(final) == len(raw), "the final metadata must encode to the placeholder's length"
+            fh.seek(0)
+            fh.write(final)
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
@@ -155,9 +171,17 @@ def write_feature_shard(path: str | Path, samples: list[FeatureSample], layer_id
     specs += [("input_ids", torch.int32, [T], (s.input_ids.to(torch.int32) for s in samples)),
               ("loss_mask", torch.uint8, [T], (s.loss_mask.to(torch.uint8) for s in samples)),
               ("offsets", torch.int64, [len(samples) + 1], [offsets])]
-    digests = [sample_digest(s.sample_id, [*e.values(), s.input_ids.to(torch.int32), s.loss_mask.to(torch.uint8)])
-               for s, e in zip(samples, enc, strict=True)]  # e: hidden_states (then scales): file order
-    _write(path, specs, _meta(layer_ids, dtype, [s.sample_id for s in samples], digests))
+    ids = [s.sample_id for s in samples]
+
+    def digests() -> dict[str, str]:  # e: hidden_states (then scales): file order
+        return _meta(layer_ids, dtype, ids, [
+            sample_digest(s.sample_id, [*e.values(), s.input_ids.to(torch.int32), s.loss_mask.to(torch.uint8)])
+            for s, e in zip(samples, enc, strict=True)])
+
+    # Hashing runs beside the writes (hashlib and file writes release the GIL); a hex digest has a
+    # fixed length, so the header is written first with zeros and again once the digests are known.
+    with ThreadPoolExecutor(1, thread_name_prefix="feature-digests") as pool:
+        _write(path, specs, _meta(layer_ids, dtype, ids, ["0" * 64] * len(ids)), pool.submit(digests))
     return T
 
 

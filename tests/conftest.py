@@ -46,7 +46,7 @@ SLOW = [
     "tests/test_ray.py::test_gpu_tasks_ask_ray_for_gpus_and_workers_import_the_repo_with_one_torch_thread",
     "tests/test_ray.py::test_thread_runner_stays_in_the_flow_process",  # harness
     "tests/test_ray.py::test_pipeline_on_ray_writes_the_same_manifests_as_on_threads",
-    "tests/test_ray_cluster.py::*",  # `ray start` head + worker node, stage flows under the harness (~3 min)
+    "tests/test_ray_cluster.py::*",  # `ray start` head + worker node, stage flows under the harness (1-3 min)
     "tests/test_multinode.py::*",  # two torchrun nodes on moto S3, three launches and a SIGKILL (~2 min)
     "tests/test_launch.py::test_torchrun_stage_equals_in_process_training",
     "tests/test_launch.py::test_a_rank_crash_is_one_line_with_the_exit_code_and_log_and_no_manifest",

@@ -13,7 +13,7 @@ stopped by signalling the two `ray start --block` processes this fixture started
 the processes it started) and killing what is left of their process groups. Not `ray stop`: it
 kills every Ray process of the user on the machine, including another test session's.
 
-Slow, over 2 min (2 min 47 s on 2 cores shared with other sessions: 90 s of setup, 67 s of test), because
+Slow, up to 3 min (65 s and 2 min 47 s in two runs on 2 cores shared with other sessions), because
 it starts what a real cluster runs: Prefect's test harness (20-35 s, shared by the session), two Ray
 nodes (each its GCS or raylet, ~12 s per `ray start` here), a Ray worker process that imports torch and
 transformers, and curate, regenerate and tokenize twice (threads, then Ray) as real flows.

@@ -3,11 +3,16 @@
 transformers' `tokenizer(texts, add_special_tokens=False)` on a fast tokenizer is one call into the
 Rust `tokenizers.Tokenizer` plus, per text, a conversion to a BatchEncoding (attention mask, offsets)
 that the tokenize stage throws away: about a quarter of the tokenizing time on short texts. Here the
-backend is called directly when that gives the same ids by construction, else transformers is.
+backend is called directly when that gives the same ids by construction, else transformers is. And
+texts are cut after the added tokens `tokenizers` always splits at (`cut_pattern`), each distinct
+piece tokenized once: a conversation's per-turn prompts repeat its history, which is then tokenized
+once rather than once per turn.
 
-What it deliberately does not know: any tokenizer's vocabulary or rules; the ids come from the
-tokenizer itself. The key trade-off: it depends on how transformers drives the backend (checked by
-`fast_backend` on every call, and by the golden tests, which compare ids with transformers').
+What it deliberately does not know: any tokenizer's vocabulary or model family; the cut tokens are
+derived from the tokenizer's own added vocabulary and settings. The key trade-off: exactness rests
+on how transformers drives the backend and on `tokenizers` splitting at added tokens before anything
+else (checked by `fast_backend` and `cut_pattern` per tokenizer, and by tests/test_chat_fast.py,
+which compares ids with transformers' on every fixture template).
 """
 
 from __future__ import annotations
@@ -138,7 +143,8 @@ def _types(node: Any) -> set[str]:
 def _safe_cut_pattern(backend: Any) -> re.Pattern[str] | None:
     if getattr(backend, "encode_special_tokens", False):
         return None
-    pre = json.loads(backend.to_str()).get("pre_tokenizer")
+    pre = backend.pre_tokenizer
+    pre = None if pre is None else json.loads(pre.__getstate__())  # its JSON, as in tokenizer.json
     if not _types(pre) <= _PIECEWISE_PRE_TOKENIZERS:
         return None
     added = list(backend.get_added_tokens_decoder().values())

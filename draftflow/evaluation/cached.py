@@ -82,8 +82,11 @@ def speculative_generate_cached(
     """
     layer_ids = drafter.config.target_layer_ids
     # A baseline (draftflow.evaluation.baselines) keeps no drafting state: it is its own proposer.
-    proposer = (drafter if isinstance(drafter, Baseline)
-                else spec_for_architecture(drafter.config.architecture).cached_proposer(drafter))
+    proposer = (
+        drafter
+        if isinstance(drafter, Baseline)
+        else spec_for_architecture(drafter.config.architecture).cached_proposer(drafter)
+    )
     cache = new_cache()
     logits, new_feats = read_tokens(target, cache, list(prompt_ids), layer_ids, round_features)
     seq = list(prompt_ids)  # tokens the target has read (= positions in its cache after a step)
