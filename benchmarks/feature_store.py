@@ -1,7 +1,7 @@
 """Feature-store throughput against raw sequential I/O of the same bytes on the same disk, same run.
 
 Writes >= 2 GB of synthetic bf16 features as feature shards (`write_feature_shard`) and reads
-them back the way the training loop does: through `FeatureSource.take`, one step's samples at a
+them back the way the training loop does: through `FeatureReader.take`, one step's samples at a
 time, in the order of `step_indices` (a seeded shuffle of every sample, cut in batches), the next
 step's samples read by the reader threads meanwhile. A pread delivers every byte into memory, so
 nothing is touched again (a sum over the features would time the CPU, not the store). `--verify`
@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from draftflow.config import TrainConfig
-from draftflow.feature_stream import FeatureSource
+from draftflow.feature_stream import FeatureReader
 from draftflow.features import FeatureSample, FeatureShard, write_feature_shard
 from draftflow.training.batches import step_indices
 
@@ -126,7 +126,7 @@ def store_read(paths: list[Path], verify: bool = False) -> float:
     its sha256 in the index (what training does on format v3 shards)."""
     t0 = time.perf_counter()
     shards = [FeatureShard(p) for p in paths]
-    source = FeatureSource(shards, [verify] * len(shards))
+    source = FeatureReader(shards, [verify] * len(shards))
     tcfg = TrainConfig(batch_size=TRAIN_BATCH, seed=0)
     steps = -(-len(source) // TRAIN_BATCH)
     for step in range(steps):

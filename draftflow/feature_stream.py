@@ -1,6 +1,6 @@
 """Training samples read on demand from feature shards: what the trainer iterates over.
 
-`FeatureSource` holds only the shards' indexes (sample ids, offsets, checksums); `take(indices)`
+`FeatureReader` holds only the shards' indexes (sample ids, offsets, checksums); `take(indices)`
 reads the samples of one step, each as a few large reads (one per stored tensor range, see
 `draftflow.features`) in reader threads, several in flight, and `prefetch(indices)` starts the
 next step's reads while the trainer computes. Nothing is loaded up front, so a rank holds about two steps
@@ -134,7 +134,7 @@ class RangeReader:
                 self.cache.forget(self.cache_key(start, end))
 
 
-class FeatureSource:
+class FeatureReader:
     """The samples of several feature shards, in shard order, read when taken.
 
     Args:
@@ -220,14 +220,14 @@ def open_shard(
 
 def open_features(
     store: Store, stage: str, fingerprint: str, entries: Sequence[ShardEntry], cache: RangeCache | None = None
-) -> FeatureSource:
+) -> FeatureReader:
     """A source over the feature shards of manifest `entries` (remote roots: streamed, `default_cache()`)."""
     if cache is None and not store.is_local:
         cache = default_cache()
     opened = [open_shard(store, stage, fingerprint, e, cache) for e in entries]
-    return FeatureSource([s for s, _ in opened], [v for _, v in opened])
+    return FeatureReader([s for s, _ in opened], [v for _, v in opened])
 
 
-def local_source(paths: Sequence[str]) -> FeatureSource:
+def local_source(paths: Sequence[str]) -> FeatureReader:
     """A source over local shard files, read unverified (the caller verified them, or measures reads)."""
-    return FeatureSource([FeatureShard(p) for p in paths])
+    return FeatureReader([FeatureShard(p) for p in paths])
