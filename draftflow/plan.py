@@ -67,6 +67,9 @@ def preflight(cfg: RunConfig) -> TargetRef:
     from draftflow.gating import check_gate
 
     check_gate(cfg)  # a named evaluate.gate.baseline exists
+    from draftflow.evaluation.compare_with import check_compare_with
+
+    check_compare_with(cfg.root, cfg.evaluate.compare_with, target.fingerprint, target.path)  # exist, same target
     from draftflow.evaluation.selection import check_categories
 
     check_categories(cfg.curate, cfg.evaluate)  # evaluate.categories names ones a source can give

@@ -87,3 +87,44 @@ def slot_alignment(
     best = sorted(OFFSETS, key=match.get)
     unique = match[best[-1]] > match[best[-2]]  # no position, or a tie at the top: no offset stands out
     return {"positions": n, "match": match, "offset": best[-1] if unique else None}
+
+
+def alignment_report(
+    target, drafter, prompts: list[list[int]], outputs: list[list[int]], round_features: RoundFn | None = None
+) -> dict | None:
+    """`slot_alignment` on the evaluation's own data, as report.json's `alignment`; None for a non-DFlash drafter.
+
+    The sequences are the eval prompts with the target's greedy outputs the evaluation just decoded and
+    checked: the target's own continuations, which is what regenerate trains on. Costs one target forward
+    per prompt plus one drafter forward per `chunk` anchors.
+
+    Returns:
+        {"offset", "positions", "match": {"-1", "0", "+1": rate}, "warning": a line or None}: the warning is
+        set when another offset than 0 matches most (a heuristic: logged and reported, never a failure).
+    """
+    if not isinstance(drafter, DFlashDrafter):
+        return None
+    found = slot_alignment(target, drafter, list(zip(prompts, outputs, strict=True)), round_features)
+    off = found["offset"]
+    warning = None
+    if off not in (0, None):
+        warning = f"labels look shifted by {off:+d}: check the objective (slot k should predict token anchor+k)"
+    return {
+        "offset": off,
+        "positions": found["positions"],
+        "warning": warning,
+        "match": {f"{o:+d}" if o else "0": rate for o, rate in found["match"].items()},
+    }
+
+
+def alignment_line(alignment: dict | None) -> str | None:
+    """The report.md line of `alignment_report`'s result (None when there is none)."""
+    if not alignment:
+        return None
+    rates = ", ".join(f"offset {o} {r:.3f}" for o, r in alignment["match"].items())
+    best = "none stands out" if alignment["offset"] is None else f"{alignment['offset']:+d}".replace("+0", "0")
+    line = (
+        f"- slot alignment (DFlash, teacher-forced on the decoded outputs, {alignment['positions']} positions): "
+        f"best offset **{best}** ({rates})"
+    )
+    return line + (f" — **warning: {alignment['warning']}**" if alignment.get("warning") else "")

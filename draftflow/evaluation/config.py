@@ -67,4 +67,8 @@ class EvaluateConfig(Section):
     categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
     baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
     kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")
+    compare_with: list[Annotated[str, Field(min_length=1)]] = Field(
+        [], description="other trained drafters decoded on the same prompts: a train fingerprint of this root, a "
+        "train stage folder or an export folder (draftflow.evaluation.compare_with); reported as drafter:<label>")
+    alignment: bool = Field(True, description="DFlash: report the slot-label alignment check on the decoded outputs")
     gate: GateConfig = GateConfig()  # promotion thresholds, applied after the stage (in no fingerprint)

@@ -26,6 +26,8 @@ from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
+from draftflow.evaluation.alignment import alignment_line, alignment_report
+from draftflow.evaluation.compare_with import OtherDrafter, decode_others, resolve_all, rounding_for
 from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
 from draftflow.evaluation.selection import prompt_set
 from draftflow.evaluation.suite import add_comparisons
@@ -96,6 +98,23 @@ def load_drafter(store: Store, trained: StageResult, model):
         return spec_for_architecture(arch).model.load(folder, model)
 
 
+def load_other(other: OtherDrafter, model, default_dtype: str) -> tuple[OtherDrafter, Any, Any]:
+    """An `evaluate.compare_with` drafter loaded around the target, with the feature rounding it trained with."""
+    if other.folder is not None:
+        from draftflow.export_eagle3 import load_exported
+
+        drafter = load_exported(other.folder, model)
+    else:
+        store = Store(other.root)
+        manifest = store.read_manifest("train", other.fingerprint)
+        if manifest is None:
+            raise ConfigError(f"evaluate.compare_with: {other.name} is no longer complete; re-run its train stage")
+        trained = StageResult(stage="train", fingerprint=other.fingerprint, status="reused", digest=other.digest,
+                              path=store.url(store.stage_path("train", other.fingerprint)), manifest=manifest)
+        drafter = load_drafter(store, trained, model)
+    return other, drafter, rounding_for(other, drafter, default_dtype)
+
+
 class ServingMismatch(DraftflowError):
     """vLLM serving the export measured a different acceptance than draftflow's own decoding."""
 
@@ -111,6 +130,8 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
              f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}", "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
+    if line := alignment_line(stats.get("alignment")):
+        lines += ["", line]
     if stats.get("vllm"):
         lines += ["", f"## Served by vLLM (same prompts; tolerance ±{cfg.evaluate.vllm_tau_tolerance:g})", "",
                   "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
@@ -158,6 +179,14 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     stats["prompt_set"] = prompt_set(ids[: stats["prompts"]])  # which prompts: runs compare only on equal sets
     outputs = stats.pop("outputs")
+    if cfg.evaluate.compare_with:  # other trained drafters, same prompts, same loop, lossless-checked
+        others = [load_other(o, model, cfg.extract.dtype) for o in resolve_all(cfg.root, cfg.evaluate.compare_with)]
+        stats["baselines"] |= decode_others(model, others, prompts[: len(outputs)], outputs,
+                                            categories[: len(outputs)], cfg.evaluate, eos)
+    if cfg.evaluate.alignment:  # DFlash only (None otherwise): do slot k's drafts match token a+k?
+        stats["alignment"] = alignment_report(model, drafter, prompts[: len(outputs)], outputs, rounding)
+        if (stats["alignment"] or {}).get("warning"):
+            log.warning("evaluate: %s", stats["alignment"]["warning"])
     # DFlash only (None otherwise): τ per DDTree budget, checked against the greedy outputs just verified.
     stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
                                       cfg.evaluate, eos, rounding, reference=outputs)

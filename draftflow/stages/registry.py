@@ -90,6 +90,15 @@ def _seconds(name: str) -> Callable[..., float | None]:
     return seconds
 
 
+def _compare_with_inputs(cfg: RunConfig) -> dict[str, str]:
+    """Evaluate: the content of the drafters `evaluate.compare_with` names (a changed one re-runs evaluate)."""
+    if not cfg.evaluate.compare_with:
+        return {}
+    from draftflow.evaluation.compare_with import fingerprint_input
+
+    return {"compare_with": fingerprint_input(cfg.root, cfg.evaluate.compare_with)}
+
+
 # Third-party libraries whose version can change a stage's bytes (in its code hash, `draftflow.codehash`):
 # the chat template renderer and tokenizer, the model code and kernels.
 TARGET_LIBRARIES = ("torch", "transformers")
@@ -116,6 +125,7 @@ class StageSpec:
         libraries: third-party packages whose versions are part of its code hash (`draftflow.codehash`).
         size: `(cfg, upstream size, sizes so far, ctx) -> size` for `plan`; None: at most its input.
         seconds: `(cfg, size, model shape, prompt tokens) -> seconds or None` for `plan`; None: unknown.
+        more_inputs: `cfg -> fingerprint inputs` read outside the run's stages (evaluate: `compare_with`).
     """
 
     name: str
@@ -131,6 +141,7 @@ class StageSpec:
     libraries: tuple[str, ...] = ()
     size: Callable[..., dict[str, Any]] | None = None
     seconds: Callable[..., float | None] | None = None
+    more_inputs: Callable[[RunConfig], dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -150,7 +161,8 @@ _REGISTRY: list[StageSpec] = [
     StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train")),
     StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
-              libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate")),
+              libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
+              more_inputs=_compare_with_inputs),
 ]
 
 
@@ -245,4 +257,6 @@ def stage_inputs(cfg: RunConfig, stage: str, target_fp: str | None, digests: dic
         inputs["target"] = target_fp
     if s.libraries:  # their versions: a new transformers may render or compute differently
         inputs["libraries"] = library_versions(s.libraries)
+    if s.more_inputs:
+        inputs |= s.more_inputs(cfg)
     return inputs | {u: digests[u] for u in s.upstream}
