@@ -238,3 +238,19 @@ def patch_stage(monkeypatch, stage: str, **changes) -> None:
     i = [s.name for s in specs].index(stage)
     specs[i] = dataclasses.replace(specs[i], **changes)
     monkeypatch.setattr(registry, "_REGISTRY", specs)
+
+
+def greedy_samples(target, dcfg, prompts: list[list[int]], new_tokens: int = 19) -> list:
+    """Training samples from the target's own greedy continuations of `prompts`: the continuation
+    supervised, features at the drafter's taps (what extract would store, unrounded)."""
+    from draftflow.evaluation.decode import capture_taps, greedy_generate
+    from draftflow.features import FeatureSample
+
+    samples = []
+    for i, p in enumerate(prompts):
+        ids = p + greedy_generate(target, p, new_tokens, set())
+        _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
+        mask = torch.tensor([0] * len(p) + [1] * new_tokens, dtype=torch.bool)
+        taps = len(dcfg.target_layer_ids)
+        samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), taps, -1)))
+    return samples

@@ -32,12 +32,11 @@ from draftflow.evaluation.ddtree import (
 )
 from draftflow.evaluation.decode import capture_taps, greedy_generate, speculative_generate
 from draftflow.evaluation.summary import console_lines, headline
-from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.stages.tokenize import draft_vocab
 from draftflow.training.loop import train_drafter
-from tests.conftest import MASK_ID, B
+from tests.conftest import MASK_ID, B, greedy_samples
 
 D = B - 1  # drafts per block
 
@@ -57,12 +56,7 @@ def untrained(target, dcfg):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, target, dcfg, prompts):
     """A drafter trained briefly on the target's own greedy continuations of `prompts` (~4 s)."""
-    samples = []
-    for i, p in enumerate(prompts):
-        ids = p + greedy_generate(target, p, 19, set())
-        _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
-        mask = torch.tensor([0] * len(p) + [1] * 19, dtype=torch.bool)
-        samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), 3, 64)))
+    samples = greedy_samples(target, dcfg, prompts)
     tcfg = TrainConfig(
         epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu"
     )

@@ -19,12 +19,11 @@ from draftflow.evaluation.decode import (
     greedy_generate,
     speculative_generate,
 )
-from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.training import batches
 from draftflow.training.batches import make_block_batch
 from draftflow.training.loop import train_drafter
-from tests.conftest import MASK_ID, B
+from tests.conftest import MASK_ID, B, greedy_samples
 from tests.mutants import put_back
 
 
@@ -48,12 +47,7 @@ TRAIN = TrainConfig(
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, target, dcfg, prompts):
     """A drafter trained on the target's own greedy continuations of `prompts`."""
-    samples = []
-    for i, p in enumerate(prompts):
-        ids = p + greedy_generate(target, p, 19, set())
-        _, feats = capture_taps(target, ids, dcfg.target_layer_ids)
-        mask = torch.tensor([0] * len(p) + [1] * 19, dtype=torch.bool)
-        samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), 3, 64)))
+    samples = greedy_samples(target, dcfg, prompts)
     out = tmp_path_factory.mktemp("drafter")
     train_drafter(samples, target, dcfg, TRAIN, str(out))
     return DFlashDrafter.load(out, target).eval(), samples
