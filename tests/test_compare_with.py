@@ -8,6 +8,7 @@ run comparing with an EAGLE-3 trained in the same root) is `test_compare_with_ea
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,3 +115,34 @@ def test_compare_with_is_a_config_field_that_enters_the_evaluate_fingerprint(tmp
     assert inputs["compare_with"] == fingerprint_input(str(tmp_path), [str(export_dir)])
     plain = load_config(None, [f"root={tmp_path}"])
     assert "compare_with" not in stage_inputs(plain, "evaluate", "t", {"curate": "c", "train": "d"})
+
+
+def test_compare_with_eagle3_in_the_same_root(prefect_harness, tmp_path):
+    """A DFlash run whose evaluate decodes an EAGLE-3 trained in the same root on its very prompts."""
+    from draftflow.plan import preflight
+    from flows.pipeline import pipeline
+    from tests.conftest import tiny_config
+    from tests.test_eagle3_pipeline import eagle3_config
+
+    root = tmp_path / "run"
+    eagle3 = pipeline(eagle3_config(root, "train.max_steps=10"))
+    e3_fp = eagle3["stages"][4]["fingerprint"]
+    cfg = tiny_config(root, f"evaluate.compare_with=[{e3_fp}]")
+    preflight(cfg)  # the named drafter exists and was trained for this target
+    summary = pipeline(cfg)
+    evaluate = summary["stages"][5]
+    report = json.loads((Path(evaluate["path"]) / "report.json").read_text())
+    label = f"drafter:eagle3@{e3_fp[:8]}"
+    other = report["baselines"][label]
+    # Identical prompts (the run's prompt_set), the same tokens (lossless-checked), its own chain depth.
+    assert other["prompts"] == report["prompts"] and other["tokens"] == report["tokens"]
+    assert other["architecture"] == "Eagle3Drafter" and len(other["acceptance_rate"]) == 4
+    assert other["source"] == e3_fp and other["tau"] >= 1.0
+    md = (Path(evaluate["path"]) / "report.md").read_text()
+    assert f"| {label} |" in md and "slot alignment" in md
+    assert set(report["alignment"]["match"]) == {"-1", "0", "+1"}
+    # Without the comparison it is another evaluation (the comparison is in the fingerprint).
+    assert evaluate["fingerprint"] != pipeline(tiny_config(root))["stages"][5]["fingerprint"]
+    with pytest.raises(ConfigError, match="ffffffffffffffff") as err:
+        preflight(tiny_config(root, "evaluate.compare_with=[ffffffffffffffff]"))
+    assert "\n" not in str(err.value)
