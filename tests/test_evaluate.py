@@ -11,7 +11,7 @@ from draftflow.config import EvaluateConfig, TrainConfig
 from draftflow.drafters import dflash as dflash_kind
 from draftflow.drafters.dflash import draft_block
 from draftflow.errors import LosslessError
-from draftflow.evaluation.alignment import slot_alignment
+from draftflow.evaluation.alignment import alignment_report, slot_alignment
 from draftflow.evaluation.decode import (
     acceptance_stats,
     capture_taps,
@@ -204,6 +204,9 @@ def test_a_drafter_trained_on_shifted_labels_is_told_apart(monkeypatch, target, 
     al_bad = slot_alignment(target, shifted, continuations(trained[1]))
     assert (al_good["offset"], al_bad["offset"]) == (0, 1), (al_good, al_bad)
     assert al_bad["match"][1] > al_bad["match"][0] + 0.1, al_bad
+    # The evaluate stage's report of it: the +1 winner comes with the warning line (issue 15, point 7).
+    report = alignment_report(target, shifted, *map(list, zip(*continuations(trained[1]), strict=True)))
+    assert report["offset"] == 1 and "labels look shifted by +1" in report["warning"], report
 
 
 def test_a_wrong_acceptance_rule_is_caught(monkeypatch, target, untrained, prompts):

@@ -132,6 +132,8 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
     if line := alignment_line(stats.get("alignment")):
         lines += ["", line]
+    elif "alignment" in stats:  # EAGLE-3 drafts a chain, one token per step: no slots to align
+        lines += ["", f"- slot alignment: not measured for {drafter_spec(cfg.drafter.kind).title} (no block slots)"]
     if stats.get("vllm"):
         lines += ["", f"## Served by vLLM (same prompts; tolerance ±{cfg.evaluate.vllm_tau_tolerance:g})", "",
                   "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
