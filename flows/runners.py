@@ -105,8 +105,28 @@ def _init_ray(address: str | None) -> None:
     try:
         ray.init(address, **kwargs)
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError: all mean "no cluster there"
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ConfigError(f"runner.ray_address={address!r}: cannot connect to Ray ({first})") from None
+        raise ConfigError(_connect_error(address, exc)) from None
+
+
+def _connect_error(address: str | None, exc: BaseException) -> str:
+    """One line for a failed `ray.init`: its deepest cause, which says why.
+
+    Ray's own message only names the GCS address it tried ("Failed to connect to Ray cluster at
+    ip:port", the loopback already replaced by this machine's IP), whatever the reason; the cause
+    chain holds the reason. A rejected auth token gets what to do: a process reads Ray's token once
+    and caches it, so it must be in the environment before the process first uses Ray.
+    """
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    lines = [ln.strip() for ln in str(root).strip().splitlines() if ln.strip()]
+    why = lines[-1] if lines else type(root).__name__  # a chained traceback's last line is its error
+    if type(root).__name__ == "AuthenticationError" or "InvalidAuthToken" in why:
+        return (f"runner.ray_address={address!r}: the Ray cluster rejected this process's auth token; set "
+                "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to the cluster's token before "
+                "the run starts (Ray reads it once per process)")
+    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return f"runner.ray_address={address!r}: cannot connect to Ray ({first}: {why[:300]})"
 
 
 def task_runner_for(cfg: RunConfig, stage: str, default_workers: int | None = None) -> TaskRunner:

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, tiny_config
+from tests.ray_auth import own_ray_token, reload_ray_auth
 
 pytest.importorskip("prefect_ray")
 DEADLINE_S = 300  # generous: a loaded 2-core machine; nothing asserts that it is met quickly
@@ -100,20 +101,12 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 @pytest.fixture(scope="module")
 def ray_token():
-    """Token authentication with a token of this test's own, in this process's environment (the driver) and
-    every node's: Ray 2.60 turns token mode on when ~/.ray/auth_token exists, and every node and client of a
-    cluster must then present the same token (on real nodes: the same RAY_AUTH_TOKEN everywhere)."""
-    import secrets
-
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    """Token authentication with a token of this test's own, in this process (the driver) and every
+    node's environment (on real nodes: the same RAY_AUTH_TOKEN everywhere). Reloaded into this process:
+    it caches the token it read first, e.g. for tests/test_ray.py's local instance (tests/ray_auth.py)."""
+    pytest.importorskip("ray")
+    with own_ray_token() as token:
+        yield token
 
 
 @pytest.fixture(scope="module")
@@ -207,3 +200,28 @@ def _task_kinds(ray, expected: str) -> set[str]:
         if expected in kinds or time.monotonic() > deadline:
             return kinds
         time.sleep(0.5)
+
+
+def test_a_wrong_auth_token_is_one_line_that_says_what_to_set(ray_cluster, tmp_path):
+    """The cluster runs with this module's token; this process presents another one. Ray says only
+    "Failed to connect to Ray cluster at <ip>:<port>" (the cause is in its exception chain): the
+    ConfigError names the token and what to set. About 20 s: Ray retries the GCS connection."""
+    import ray
+
+    from draftflow.errors import ConfigError
+    from flows.runners import connect_ray
+
+    ray.shutdown()  # the test above leaves this process connected (a no-op when it is not)
+    address = f"runner.ray_address={ray_cluster}"
+    cfg = tiny_config(tmp_path / "run", "runner.kind=ray", address, "runner.gpus_per_task=0")
+    good = os.environ["RAY_AUTH_TOKEN"]
+    os.environ["RAY_AUTH_TOKEN"] = "0" * 64
+    reload_ray_auth()
+    try:
+        with pytest.raises(ConfigError, match=r"rejected this process's auth token; set RAY_AUTH_MODE=token") as err:
+            connect_ray(cfg.runner, gpu_tasks=False)
+    finally:
+        os.environ["RAY_AUTH_TOKEN"] = good
+        reload_ray_auth()
+    assert "\n" not in str(err.value) and f"runner.ray_address='{ray_cluster}'" in str(err.value)
+    assert not ray.is_initialized()
