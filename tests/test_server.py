@@ -162,7 +162,10 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
         assert '"rows": 43' in rate.data and '"rows/s"' in rate.data
         (result,) = arts[f"{NAME}-result"]
         assert "τ =" in result.data and "P(at least k drafts accepted)" in result.data  # the evaluate report
-        assert result.data.count("data:image/png;base64,") == 3  # prompt lengths, loss, accuracy
+        pngs = sorted(p.name for s in ("curate", "train", "evaluate") for p in (tmp / "run" / s).rglob("*.png")
+                      if "work" not in p.parts)
+        assert len(pngs) >= 4 and "prompt_lengths.png" in pngs  # curate's, train's curves, evaluate's plots
+        assert result.data.count("data:image/png;base64,") == len(pngs)  # every plot inlined, none twice
         for what in ("checkpoint", "report"):
             (link,) = arts[f"{NAME}-{what}"]
             target = link.data[link.data.index("(file://") + 8:-1]
