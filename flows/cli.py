@@ -22,7 +22,16 @@ from draftflow.errors import DraftflowError
 STORAGE_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec")
 
 
-def _prefect_env() -> None:
+def _prefect_env():
+    """`run`'s Prefect: the settings below, and Prefect's temporary server launched now when no
+    PREFECT_API_URL is set (`flows.tempserver`: it starts while the stages import). Returns it or None."""
+    _prefect_settings()
+    from flows import tempserver
+
+    return tempserver.start()
+
+
+def _prefect_settings() -> None:
     # A fresh PREFECT_HOME needs longer than the default 20 s to start the ephemeral server.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftflow")
@@ -142,17 +151,19 @@ def cmd_run(args) -> int:
     from draftflow.plan import preflight
 
     preflight(cfg)
-    _prefect_env()
-    _cpu_threads()
-    from flows.pipeline import pipeline
-
-    _quiet_user_errors()
     start = time.time()
     from draftflow.runlock import holding
 
     # The root's lease first: a second run on a busy root stops here, before Prefect starts.
-    with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s), terminal_progress():
-        summary = pipeline(cfg)
+    with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):
+        server = _prefect_env()  # starts on the other core while this one imports the stages
+        _cpu_threads()
+        from flows.pipeline import pipeline
+        from flows.tempserver import serving
+
+        _quiet_user_errors()
+        with serving(server), terminal_progress():
+            summary = pipeline(cfg)
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
@@ -244,7 +255,7 @@ class _RichBars:
 def cmd_server(args) -> int:
     """Run `prefect server start` as a child whose UI reaches its API on any host and port, forwarding
     SIGTERM and SIGINT to it and exiting when it exits (a killed draftflow server leaves no server)."""
-    _prefect_env()
+    _prefect_settings()
     from flows.deploy import prefect_command
 
     shown = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
@@ -280,7 +291,7 @@ def cmd_compare(args) -> int:
 
 
 def cmd_deploy(args) -> int:
-    _prefect_env()
+    _prefect_settings()
     from flows.deploy import deploy
 
     return deploy(args.names, args.gpu_slots)

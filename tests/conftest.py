@@ -56,6 +56,7 @@ SLOW = [
     "tests/test_distributed.py::test_fsdp_equals_one_process_and_checkpoints_resume_across_modes",  # ~9 s
     "tests/test_tokenize_stage.py::test_worker_processes_give_the_same_rows_as_one_process",  # ~8 s
     "tests/test_layering.py::test_importing_every_library_module_leaves_prefect_unloaded",  # fresh interpreter, ~5 s
+    "tests/test_tempserver.py::test_a_flow_runs_on_it_and_its_run_outlives_it_in_prefect_home",  # two servers
     "tests/test_cli.py::test_a_source_with_only_bad_rows_stops_at_curate_with_one_clear_line",  # a real run, ~18 s
     "tests/test_cli.py::test_s3_root_without_credentials_is_one_line",  # CLI subprocesses, 3.5-4 s each
     "tests/test_cli.py::test_status_of_a_config_before_any_run_lists_every_stage",
