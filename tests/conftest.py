@@ -57,9 +57,7 @@ SLOW = [
     "tests/test_tokenize_stage.py::test_worker_processes_give_the_same_rows_as_one_process",  # ~8 s
     "tests/test_layering.py::test_importing_every_library_module_leaves_prefect_unloaded",  # fresh interpreter, ~5 s
     "tests/test_tempserver.py::test_a_flow_runs_on_it_and_its_run_outlives_it_in_prefect_home",  # two servers
-    # The two slowest of the fast tier (measured at load ~4.5 on 2 cores: 8.8 s and 4.2 s; the next is 2.4 s)
-    "tests/test_chat_fast.py::test_fast_path_equals_reference_path_on_every_template[[]HuggingFaceTB-SmolLM3-3B[]]",
-    "tests/test_runlock.py::test_draftflow_run_on_a_busy_root_exits_2_in_one_line_before_any_work",  # a CLI run
+    "tests/test_runlock.py::test_draftflow_run_on_a_busy_root_exits_2_in_one_line_before_any_work",  # CLI run, ~4 s
     "tests/test_cli.py::test_a_source_with_only_bad_rows_stops_at_curate_with_one_clear_line",  # a real run, ~18 s
     "tests/test_cli.py::test_s3_root_without_credentials_is_one_line",  # CLI subprocesses, 3.5-4 s each
     "tests/test_cli.py::test_status_of_a_config_before_any_run_lists_every_stage",
