@@ -34,7 +34,7 @@ from draftflow.errors import DraftflowError
 
 # What Prefect's own temporary server gets besides the caller's settings: no UI, no background services.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-PORT_TAKEN = 3  # uvicorn's exit code when another process bound the port between our probe and its start
+PORT_TAKEN = 3  # the exit code Prefect relaunches on (another process took the port): done the same here
 
 
 class TemporaryServer:
@@ -43,7 +43,7 @@ class TemporaryServer:
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.port, self.process = _launch(env)
-        atexit.register(self.stop)  # a CLI that fails before `serving` leaves no server behind
+        atexit.register(self.stop)  # a CLI that fails before `serving` stops it at exit, as Prefect does its own
 
     @property
     def api_url(self) -> str:
