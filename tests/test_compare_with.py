@@ -107,6 +107,9 @@ def test_alignment_report_is_reported_and_skipped_for_non_dflash(target, dcfg, p
     assert alignment_report(target, object(), prompts, outputs) is None
     shifted = rep | {"offset": 1, "warning": "labels look shifted by +1: check the objective"}
     assert "warning: labels look shifted by +1" in alignment_line(shifted)
+    # Answers shorter than a block (a barely trained demo stops early) leave nothing to count, not an error.
+    short = alignment_report(target, drafter, [[5, 6]] * 2, [[7], [8, 9, 10]])
+    assert short["positions"] == 0 and short["warning"] is None
 
 
 def test_compare_with_is_a_config_field_that_enters_the_evaluate_fingerprint(tmp_path, export_dir):

@@ -61,10 +61,10 @@ def slot_alignment(
     drafter.eval()
     for prompt, continuation in sequences:
         ids = list(prompt) + list(continuation)
-        T = len(ids)
-        anchors = torch.arange(max(len(prompt), 1), T - B + 1)
-        if anchors.numel() == 0:
+        T, first = len(ids), max(len(prompt), 1)
+        if T - B + 1 <= first:  # no whole block after the prompt (a short answer): nothing to count
             continue
+        anchors = torch.arange(first, T - B + 1)
         _, feats = capture_taps(target, ids, drafter.config.target_layer_ids, round_features)
         sample = FeatureSample(
             "alignment",
