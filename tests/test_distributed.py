@@ -68,6 +68,9 @@ def _worker(rank: int, world: int, store: str, target, runs: list[tuple[str, dic
             metrics = train_drafter(_samples(short), target, dcfg, tcfg, out_dir)
             with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
                 json.dump(metrics | {"steps_run": len(calls)}, f)
+        # As the torchrun ranks do (`training.launch._barrier`): no rank tears its process group down while
+        # the other still works in it (seen on a loaded machine as a gloo abort in FSDP's teardown).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
