@@ -7,6 +7,7 @@ started. One `prefect server start` serves a module: a run then skips the ~7 s t
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -128,9 +129,35 @@ def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, time
             proc.wait()
 
 
+# The evaluate stage's reports hold this machine's measured step times (the projected speedup: a
+# measurement, like a log line), so two runs of the same code differ there and nowhere else. The
+# comparisons leave out exactly those: `speedup` in report.json and in the manifest's headline, report.md
+# (rendered from report.json), and the two reports' sizes and checksums in the manifest.
+MEASURED_REPORTS = ("report.json", "report.md")
+
+
+def without_measurements(rel: Path, data: bytes) -> bytes:
+    if rel.parts[0] != "evaluate":
+        return data
+    if rel.name == "manifest.json":
+        m = json.loads(data)
+        (m.get("extra", {}).get("evaluation") or {}).pop("speedup", None)
+        for s in m["shards"]:
+            if s["name"] in MEASURED_REPORTS:
+                s.pop("sha256"), s.pop("bytes")
+        return json.dumps(m, sort_keys=True).encode()
+    if rel.name == "report.json":
+        report = json.loads(data)
+        report.pop("speedup", None)
+        return json.dumps(report, sort_keys=True).encode()
+    return b"" if rel.name == "report.md" else data
+
+
 def manifests(root: Path) -> dict[str, bytes]:
-    """stage -> manifest.json bytes of every stage folder under `root`."""
-    return {str(p.relative_to(root).parent): p.read_bytes() for p in sorted(root.glob("*/*/manifest.json"))}
+    """stage -> manifest.json bytes of every stage folder under `root` (evaluate's without its measured
+    step times, see MEASURED_REPORTS)."""
+    return {str(p.relative_to(root).parent): without_measurements(p.relative_to(root), p.read_bytes())
+            for p in sorted(root.glob("*/*/manifest.json"))}
 
 
 def leftovers(root: Path) -> list[str]:
@@ -148,6 +175,8 @@ def leftovers(root: Path) -> list[str]:
 
 
 def sha256_tree(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file in a stage folder (not Prefect's results, not run.json)."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+    """relative path -> sha256 of every file in a stage folder (not Prefect's results, not run.json;
+    evaluate's reports without their measured step times, see MEASURED_REPORTS)."""
+    return {str(p.relative_to(root)): hashlib.sha256(without_measurements(p.relative_to(root), p.read_bytes()))
+            .hexdigest()
             for p in sorted(root.glob("*/*/**/*")) if p.is_file() and not p.relative_to(root).parts[0].startswith("_")}
