@@ -180,6 +180,15 @@ def target():
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def restore_environ(old: dict[str, str | None]) -> None:
+    """Put back environment variables saved as {name: value or None (was unset)}."""
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextmanager
 def moto_s3(**extra_env: str):
     """A real S3-compatible server (moto) on 127.0.0.1 with the env set for s3fs (fake credentials,
@@ -198,11 +207,7 @@ def moto_s3(**extra_env: str):
     try:
         yield env["AWS_ENDPOINT_URL"]
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old)
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
 

@@ -20,6 +20,8 @@ import os
 import secrets
 from collections.abc import Iterator
 
+from tests.conftest import restore_environ
+
 AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
 
 
@@ -44,9 +46,5 @@ def own_ray_token() -> Iterator[str]:
     try:
         yield token
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        restore_environ(old)
         reload_ray_auth()
