@@ -60,6 +60,7 @@ by `load_exported`, so a name vLLM would not recognise fails the export, not the
 
 from __future__ import annotations
 
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,9 @@ CONFIG_FIELDS: dict[str, str] = {
 }
 EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, README_NAME)  # in every export folder
 MODELING_NAME = "modeling_dflash.py"
+# What the drafter was trained on that serving does not need but a later evaluation does (the feature
+# rounding: `evaluate.compare_with` of an export). Written by the train stage beside its exports only.
+TRAINED_ON_NAME = "draftflow.json"
 # Only AutoModel: an AutoConfig entry would make vLLM and AutoConfig need trust_remote_code.
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
@@ -267,6 +271,25 @@ def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     target_name = target_name or default_target_name(target_config)
     config = speculators_config(cfg, target_config, target_name)
     return write_export(out_dir, config, export_state_dict(weights), target_name, served_from)
+
+
+def write_trained_on(out_dir: str | Path, trained_on: dict[str, Any]) -> None:
+    """`TRAINED_ON_NAME` in an export folder, atomically (keys sorted: the same training, the same bytes)."""
+    text = json.dumps(trained_on, indent=2, sort_keys=True) + "\n"
+    write_local_atomic(Path(out_dir) / TRAINED_ON_NAME, lambda tmp: Path(tmp).write_text(text))
+
+
+def read_trained_on(folder: str | Path) -> dict[str, Any]:
+    """An export folder's `TRAINED_ON_NAME` ({} when it has none: exported outside a train stage, or before it
+    was written)."""
+    path = Path(folder) / TRAINED_ON_NAME
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise StoreError(f"{path}: not JSON ({exc}); delete it or re-export the drafter") from None
+    return data if isinstance(data, dict) else {}
 
 
 # ----------------------------------------------------------------------------- load back

@@ -74,6 +74,24 @@ def test_an_export_is_resolved_fingerprinted_and_checked_against_the_target(tmp_
     assert len({o.label for o in two}) == 2  # the same drafter twice gets two report keys
 
 
+def test_an_export_rounds_its_features_as_its_training_did(tmp_path, export_dir, target):
+    import shutil
+
+    from draftflow.export import write_trained_on
+
+    bare = resolve(Store(str(tmp_path)), str(export_dir))  # exported by hand: the run's dtype, said in the log
+    assert bare.extract_dtype is None
+    loaded = load_exported(export_dir, target)
+    assert rounding_for(bare, loaded, "bfloat16").keywords["dtype"] == "bfloat16"
+    trained = tmp_path / "train-export"
+    shutil.copytree(export_dir, trained)
+    write_trained_on(trained, {"extract_dtype": "float8", "features": "stored", "drafter": "dflash"})
+    other = resolve(Store(str(tmp_path)), str(trained))
+    assert other.extract_dtype == "float8"
+    assert rounding_for(other, loaded, "bfloat16").keywords["dtype"] == "float8"
+    assert other.digest != bare.digest  # the record is part of what evaluate's fingerprint takes
+
+
 def test_other_drafters_decode_the_same_prompts_losslessly(tmp_path, target, dcfg, prompts, export_dir):
     ecfg = EvaluateConfig(max_new_tokens=12, device="cpu")
     torch.manual_seed(3)

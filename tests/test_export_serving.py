@@ -16,6 +16,7 @@ from draftflow.drafters.registry import drafter_spec
 from draftflow.export import (
     export_speculators,
     export_vllm_dflash,
+    read_trained_on,
 )
 from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.export_readme import portable_target_name, serve_command, serve_command_for
@@ -102,10 +103,13 @@ def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path,
         (out / f.name).write_bytes(f.read_bytes())
     where = {fmt: f"/runs/demo/train/abc/export/{fmt}" for fmt in EXPORT_FORMATS}
     tiny = portable_target_name(None, str(tmp_path / "cache" / "tiny-0123abcd"))
-    listed = write_outputs(str(out), {"steps": 0}, target.config, tiny, kind, where)
+    training = {"extract_dtype": "float8", "features": "stored", "drafter": kind}
+    listed = write_outputs(str(out), {"steps": 0}, target.config, tiny, kind, where, training)
     on_disk = {str(p.relative_to(out)) for p in (out / "export").rglob("*") if p.is_file()}
     assert on_disk == {f for f in listed if f.startswith("export/")}
     assert {f"export/{fmt}/README.md" for fmt in EXPORT_FORMATS} <= on_disk
+    for fmt in EXPORT_FORMATS:  # each export says what its features were rounded to (compare_with reads it)
+        assert read_trained_on(out / "export" / fmt) == training
     assert ("export/vllm/modeling_dflash.py" in on_disk) == (kind == "dflash")
     spec = json.loads((out / "export" / "speculators" / "config.json").read_text())
     assert spec["speculators_config"]["verifier"]["name_or_path"] == "tiny-0123abcd"

@@ -11,10 +11,10 @@ tokens against the run's greedy outputs (lossless). Results go under report.json
 `drafter:<label>`, so the report tables, plots and `draftflow compare` carry them unchanged.
 
 What it does not know: Prefect, loading a train stage's checkpoint (the evaluate stage does it),
-report text. Trade-off: an export folder does not record its extract dtype: it is rounded with the
-run's `extract.dtype` (a train stage's is read from the extract manifest it was trained on), and
-only a train stage can be checked against the target's fingerprint; an export is checked by its
-hidden size and vocabulary.
+report text. Feature rounding: a train stage's extract dtype is read from the extract manifest it was
+trained on, an export's from the `draftflow.json` the train stage writes beside it; an export without
+one (exported by hand) is rounded with the run's `extract.dtype`. Trade-off: only a train stage can be
+checked against the target's fingerprint; an export is checked by its hidden size and vocabulary.
 """
 
 from __future__ import annotations
@@ -87,12 +87,15 @@ def _from_train(store: Store, name: str, fp: str) -> OtherDrafter | None:
 
 
 def _from_export(name: str, folder: Path) -> OtherDrafter:
+    from draftflow.export import read_trained_on
+
     files = sorted(p for p in folder.iterdir() if p.is_file())
     sums = {p.name: sha256_file(p) for p in files}
     data = json.loads((folder / "config.json").read_text())
     kind = "eagle3" if "eagle3" in json.dumps(data).lower() else "dflash"
     return OtherDrafter(
-        name=name, label=f"{PREFIX}{kind}@{folder.parent.name}/{folder.name}", digest=digest(sums), folder=str(folder)
+        name=name, label=f"{PREFIX}{kind}@{folder.parent.name}/{folder.name}", digest=digest(sums), folder=str(folder),
+        extract_dtype=read_trained_on(folder).get("extract_dtype"),
     )
 
 

@@ -27,6 +27,7 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
 from draftflow.drafters.registry import drafter_spec
+from draftflow.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.export_readme import portable_target_name, serve_command, speculative_settings
 from draftflow.feature_stream import open_features
 from draftflow.stages.common import finalize
@@ -77,7 +78,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
     served_from = {fmt: store.url(store.stage_path(STAGE, fp, rel)) for fmt, rel in exports.items()}
     written = write_outputs(out, metrics, trained.target_config, portable_target_name(cfg.target.path, target.path),
-                            cfg.drafter.kind, served_from)
+                            cfg.drafter.kind, served_from, trained_on(cfg))
     files = [commit_file(store, fp, out, f, f).to_json() for f in written]
     results = [ShardResult(shard=None, rows_in=trained.rows, rows_out=trained.rows)]
     results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
@@ -159,19 +160,33 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> Shard
         return shard_entry(name, tmp, rows=0)
 
 
+def trained_on(cfg: RunConfig) -> dict[str, Any]:
+    """What each export records of its training (`draftflow.export.TRAINED_ON_NAME`): the features' storage
+    dtype and mode, so an evaluation of the export alone rounds its features as they were in training."""
+    return {"extract_dtype": cfg.extract.dtype, "features": cfg.extract.mode, "drafter": cfg.drafter.kind}
+
+
 def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_name: str,
-                  kind: str = "dflash", served_from: dict[str, str] | None = None) -> list[str]:
+                  kind: str = "dflash", served_from: dict[str, str] | None = None,
+                  training: dict[str, Any] | None = None) -> list[str]:
     """Metrics files and both serving exports (of `kind`) of the trained drafter in `out`; paths relative to it.
 
     Args:
         target_name: the target's portable name (`draftflow.export_readme.portable_target_name`).
         served_from: per format, where the export will be served from (its store URL) for its README.
+        training: written into each export as `draftflow.export.TRAINED_ON_NAME` (`trained_on`); none if None.
     """
     spec = drafter_spec(kind)
+    exports = []
     for fmt in EXPORT_FORMATS:
-        spec.exporters[fmt](out, Path(out) / "export" / fmt, target_config, target_name=target_name,
-                             served_from=(served_from or {}).get(fmt))
-    exports = [f"export/{fmt}/{name}" for fmt in EXPORT_FORMATS for name in spec.export_files(fmt)]
+        folder = Path(out) / "export" / fmt
+        spec.exporters[fmt](out, folder, target_config, target_name=target_name,
+                            served_from=(served_from or {}).get(fmt))
+        names = list(spec.export_files(fmt))
+        if training is not None:
+            write_trained_on(folder, training)
+            names.append(TRAINED_ON_NAME)
+        exports += [f"export/{fmt}/{name}" for name in names]
     return write_metrics(out, metrics) + exports
 
 
