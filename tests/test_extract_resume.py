@@ -1,11 +1,9 @@
 """Extract faults: SIGKILL mid-shard resumes from its parts; a bad shard is found and recomputed."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,22 +14,19 @@ from draftflow.features import FeatureShard
 from draftflow.stages import extract
 from draftflow.stages.common import Source
 from tests.conftest import run_front, tiny_config
+from tests.reliability.killable import kill_when_frozen
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
-import sys, json, time, torch
+import sys, json, torch
 torch.set_num_threads(1)
-from draftflow import capture
 from draftflow.config import RunConfig
 from draftflow.stages import extract
 from draftflow.stages.common import Source
 from draftflow.store import Store
 from draftflow.target import TargetRef
-real = capture.HFCapture.capture
-def slow(self, batch):  # slow enough to be killed between two checkpoints
-    time.sleep(0.3)
-    return real(self, batch)
-capture.HFCapture.capture = slow
+from tests.reliability.killable import arm_call
+arm_call("draftflow.stages.extract", "_save_part", 3, sys.argv[3])  # two checkpoints are on disk
 from draftflow.contracts import ShardEntry
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 args = json.load(open(sys.argv[2]))
@@ -59,15 +54,13 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, fron
     (tmp_path / "args.json").write_text(json.dumps({"target": {"path": tiny_target.path,
                                                                "fingerprint": tiny_target.fingerprint},
                                                     "shard": shard.to_json()}))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(tmp_path / "args.json")],
-                            cwd=ROOT)
+    marker = tmp_path / "frozen"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(tmp_path / "args.json"),
+                             str(marker)], cwd=ROOT)
     partial = Path(store.stage_path("extract", "killed", "partial", "train-00000"))
-    deadline = time.time() + 120
-    while len(list(partial.glob("part-*.safetensors"))) < 2 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_frozen(proc, marker)  # frozen before its third checkpoint
     assert proc.returncode == -signal.SIGKILL
+    assert len(list(partial.glob("part-*.safetensors"))) == 2
     done_before = sum(len(FeatureShard(p)) for p in partial.glob("part-*.safetensors"))
     assert 0 < done_before < shard.rows  # killed mid-shard, after checkpoints
     assert not Path(store.stage_path("extract", "killed", reference.shard.name)).exists()

@@ -1,10 +1,8 @@
 """A regenerate shard killed with SIGKILL mid-shard resumes without losing or duplicating anything."""
 
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from draftflow.data.schema import read_rows
@@ -12,6 +10,7 @@ from draftflow.stages import curate, regenerate
 from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
 from tests.conftest import tiny_config
+from tests.reliability.killable import kill_when_frozen
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
@@ -23,6 +22,8 @@ from draftflow.stages import regenerate
 from draftflow.stages.common import Source
 from draftflow.store import Store
 from draftflow.target import TargetRef
+from tests.reliability.killable import arm_call
+arm_call("draftflow.stages.regenerate", "save_partial", 2, sys.argv[3])  # the first chunk is on disk
 cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
 args = json.load(open(sys.argv[2]))
 regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]), Source("curate", args["curate_fp"]),
@@ -47,14 +48,11 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
     (tmp_path / "args.json").write_text(json.dumps({"target": {"path": tiny_target.path,
                                                                "fingerprint": tiny_target.fingerprint},
                                                     "curate_fp": cm.fingerprint, "shard": shard.to_json()}))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(tmp_path / "args.json")],
-                            cwd=ROOT)
+    marker = tmp_path / "frozen"
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(tmp_path / "cfg.json"), str(tmp_path / "args.json"),
+                             str(marker)], cwd=ROOT)
     partial = Path(store.stage_path("regenerate", "killed", "partial", shard.name))
-    deadline = time.time() + 120
-    while not partial.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    kill_when_frozen(proc, marker)  # frozen before its second checkpoint
     assert proc.returncode == -signal.SIGKILL
     done_before = len(read_rows(str(partial)))
     assert 0 < done_before < shard.rows  # killed mid-shard, after a checkpoint

@@ -51,7 +51,8 @@ def _arm_file(glob: str, n: int, root: str, marker: str) -> None:
     os.replace, os.rename = hook(os.replace), hook(os.rename)
 
 
-def _arm_call(module: str, name: str, n: int, marker: str) -> None:
+def arm_call(module: str, name: str, n: int, marker: str) -> None:
+    """Freeze this process (see `_freeze`) at the n-th call of `module.name`, before the call runs."""
     mod = importlib.import_module(module)
     real, count, lock = getattr(mod, name), [0], threading.Lock()
 
@@ -75,10 +76,32 @@ def main(argv: list[str]) -> int:
         if kind == "file":
             _arm_file(spec[0], int(spec[1]), root, marker)
         else:
-            _arm_call(spec[0], spec[1], int(spec[2]), marker)
+            arm_call(spec[0], spec[1], int(spec[2]), marker)
     from flows.cli import main as cli_main
 
     return cli_main(cli)
+
+
+def kill_when_frozen(proc, marker: Path, timeout: float = 600, group: bool = False) -> None:
+    """Wait until `proc` (started with a kill point armed) writes `marker`, then SIGKILL it (its whole process
+    group with `group`) and reap it. Fails the test if it exits first or never gets there: an event, not a
+    time, decides where the kill lands, so a loaded machine moves only when it happens."""
+    import signal
+
+    import pytest
+
+    end = time.monotonic() + timeout
+    try:
+        while not marker.exists():
+            if proc.poll() is not None:
+                pytest.fail(f"the kill point was never reached: the process exited {proc.returncode}")
+            if time.monotonic() > end:
+                pytest.fail(f"the kill point was not reached in {timeout} s")
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 if __name__ == "__main__":

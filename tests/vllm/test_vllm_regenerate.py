@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from draftflow.stages import curate, regenerate
 from draftflow.stages.common import Source, fingerprint
 from draftflow.store import Store
 from tests.conftest import CONVERSATIONS, tiny_config
+from tests.reliability.killable import kill_when_frozen
 from tests.vllm.conftest import VLLM_OVERRIDES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +33,9 @@ from draftflow.store import Store
 from draftflow.target import TargetRef
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn
+    sys.path.insert(0, sys.argv[4])  # the repository, for tests.reliability.killable
+    from tests.reliability.killable import arm_call
+    arm_call("draftflow.stages.regenerate", "save_partial", 2, sys.argv[3])  # the first chunk is on disk
     cfg = RunConfig.model_validate_json(open(sys.argv[1]).read())
     args = json.load(open(sys.argv[2]))
     regenerate.run_shard(Store(cfg.root), "killed", cfg, TargetRef(**args["target"]),
@@ -87,14 +89,12 @@ def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, ti
         "target": {"path": tiny_target.path, "fingerprint": tiny_target.fingerprint},
         "curate_fp": cm.fingerprint, "shard": shard.to_json()}))
     (tmp_path / "killed.py").write_text(KILLED)
+    marker = tmp_path / "frozen"
     proc = subprocess.Popen([sys.executable, str(tmp_path / "killed.py"), str(tmp_path / "cfg.json"),
-                             str(tmp_path / "args.json")], cwd=ROOT, start_new_session=True)
+                             str(tmp_path / "args.json"), str(marker), str(ROOT)], cwd=ROOT, start_new_session=True)
     partial = Path(store.stage_path("regenerate", "killed", "partial", shard.name))
-    deadline = time.time() + 900
-    while not partial.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole group: vLLM's engine-core and worker processes too
-    proc.wait()
+    # Frozen before its second checkpoint; the whole group dies: vLLM's engine-core and worker processes too.
+    kill_when_frozen(proc, marker, timeout=900, group=True)
     assert proc.returncode == -signal.SIGKILL
     done_before = len(read_rows(str(partial)))
     assert 0 < done_before < shard.rows  # killed mid-shard, after a checkpoint
