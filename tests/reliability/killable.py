@@ -82,10 +82,12 @@ def main(argv: list[str]) -> int:
     return cli_main(cli)
 
 
-def kill_when_frozen(proc, marker: Path, timeout: float = 600, group: bool = False) -> None:
+def kill_when_frozen(proc, marker: Path, timeout: float = 600, group: bool = False,
+                     describe=lambda: "") -> None:
     """Wait until `proc` (started with a kill point armed) writes `marker`, then SIGKILL it (its whole process
-    group with `group`) and reap it. Fails the test if it exits first or never gets there: an event, not a
-    time, decides where the kill lands, so a loaded machine moves only when it happens."""
+    group with `group`) and reap it. Fails the test if it exits first or never gets there, with `describe()`
+    (e.g. the run's log tail) appended: an event, not a time, decides where the kill lands, so a loaded
+    machine moves only when it happens."""
     import signal
 
     import pytest
@@ -94,13 +96,18 @@ def kill_when_frozen(proc, marker: Path, timeout: float = 600, group: bool = Fal
     try:
         while not marker.exists():
             if proc.poll() is not None:
-                pytest.fail(f"the kill point was never reached: the process exited {proc.returncode}")
+                pytest.fail(f"the kill point was never reached: the process exited {proc.returncode}{describe()}")
             if time.monotonic() > end:
-                pytest.fail(f"the kill point was not reached in {timeout} s")
+                pytest.fail(f"the kill point was not reached in {timeout} s{describe()}")
             time.sleep(0.02)
     finally:
-        if proc.poll() is None:
-            (os.killpg if group else os.kill)(proc.pid, signal.SIGKILL)
+        if group:  # also whatever the run started, even if the run itself has exited
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        elif proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.reliability.killable import kill_when_frozen
+
 ROOT = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
 # tests/conftest.py TINY_OVERRIDES plus in-shard checkpoints every 4 conversations (regenerate) and
@@ -115,18 +117,8 @@ def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, time
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        end = time.monotonic() + timeout
-        try:
-            while not marker.exists():
-                if proc.poll() is not None:
-                    pytest.fail(f"kill point {point} never reached (run exited {proc.returncode}):\n"
-                                f"{log.read_text()[-4000:]}")
-                if time.monotonic() > end:
-                    pytest.fail(f"kill point {point} not reached in {timeout} s:\n{log.read_text()[-4000:]}")
-                time.sleep(0.01)
-        finally:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        kill_when_frozen(proc, marker, timeout, group=True,
+                         describe=lambda: f" (kill point {point}):\n{log.read_text()[-4000:]}")
 
 
 # The evaluate stage's reports hold this machine's measured step times (the projected speedup: a
