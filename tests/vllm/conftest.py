@@ -33,6 +33,18 @@ def _require_vllm():
     pytest.skip("needs vLLM (make test-vllm installs vLLM's CPU build)")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _close_vllm_engines():
+    """Close the engines the tests shared (draftflow keeps one per process) while pytest still captures
+    output: left to interpreter exit, vLLM's shutdown logs to a stream pytest has closed, and every run
+    ended in `--- Logging error ---` tracebacks."""
+    yield
+    if importlib.util.find_spec("vllm") is not None:
+        from draftflow.engines.vllm import release_engines
+
+        release_engines()
+
+
 # The tiny target is float32 and short: a small context keeps vLLM's KV cache and warm-up small.
 VLLM_OVERRIDES = ["regenerate.vllm.max_model_len=512"]
 # vLLM 0.32's hidden-states connector copies with CUDA-only calls; on CPU the tests swap in the
