@@ -26,23 +26,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True, scope="session")
 def _require_vllm():
-    if importlib.util.find_spec("vllm") is not None:
-        return
-    if os.environ.get("DRAFTFLOW_REQUIRE_VLLM"):
-        pytest.fail("DRAFTFLOW_REQUIRE_VLLM is set but vLLM is not installed: run through `make test-vllm`")
-    pytest.skip("needs vLLM (make test-vllm installs vLLM's CPU build)")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _close_vllm_engines():
-    """Close the engines the tests shared (draftflow keeps one per process) while pytest still captures
-    output: left to interpreter exit, vLLM's shutdown logs to a stream pytest has closed, and every run
-    ended in `--- Logging error ---` tracebacks."""
+    """Skip (or, under `make test-vllm`, fail) without vLLM. Afterwards, close the engines the tests shared
+    (draftflow keeps one per process) while pytest still captures output: left to interpreter exit, vLLM's
+    shutdown logs to a stream pytest has closed, and every run ended in `--- Logging error ---` tracebacks."""
+    if importlib.util.find_spec("vllm") is None:
+        if os.environ.get("DRAFTFLOW_REQUIRE_VLLM"):
+            pytest.fail("DRAFTFLOW_REQUIRE_VLLM is set but vLLM is not installed: run through `make test-vllm`")
+        pytest.skip("needs vLLM (make test-vllm installs vLLM's CPU build)")
     yield
-    if importlib.util.find_spec("vllm") is not None:
-        from draftflow.engines.vllm import release_engines
+    from draftflow.engines.vllm import release_engines
 
-        release_engines()
+    release_engines()
 
 
 # The tiny target is float32 and short: a small context keeps vLLM's KV cache and warm-up small.
