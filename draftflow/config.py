@@ -14,9 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+# Re-exported: the curate section lives beside the data code (`draftflow.data.config`).
+from draftflow.data.config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
 from draftflow.errors import ConfigError
 from draftflow.evaluation.config import EvaluateConfig
-from draftflow.fields import BoolOrFraction, Device, Regex, Section
+from draftflow.fields import BoolOrFraction, Device, Section
 
 
 class TinyTargetConfig(Section):
@@ -36,73 +38,21 @@ class TinyTargetConfig(Section):
 
 class TargetConfig(Section):
     path: str | None = Field(
-        None, description="HF model id or local folder; null builds the tiny target"
+        None, description="HF model id, local folder or .gguf file; null builds the tiny target"
     )
     revision: str | None = None
+    package: str | None = Field(None, min_length=1, description="installed Python package holding `file`")
+    file: str | None = Field(None, min_length=1, description="a .gguf file inside `package` (draftflow[gguf])")
     tiny: TinyTargetConfig = TinyTargetConfig()
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Device = "auto"
 
-
-class SourceConfig(Section):
-    """One input dataset: files by path (local, s3://, globs) or a Hugging Face dataset by name.
-
-    `columns` maps the column an adapter reads to this source's column
-    (`{question: input_text}` lets the openorca adapter read `input_text`).
-    Mixture: `count` is a target number of kept rows; `weight` a share of
-    `curate.total_rows` (or, without it, the largest mix the weights allow).
-    """
-
-    name: str = Field(min_length=1)
-    path: str | None = Field(None, min_length=1, description="file/glob (local, s3://): .jsonl(.gz|.zst) or .parquet")
-    hf: str | None = Field(None, description="Hugging Face dataset name, read with datasets' streaming loader")
-    hf_config: str | None = None
-    hf_split: str = "train"
-    format: Literal["auto", "sharegpt", "openai", "alpaca", "openorca", "magicoder", "prompt",
-                    "function_calling"] = "auto"
-    columns: dict[str, str] = Field(default_factory=dict, description="adapter column -> source column")
-    count: int | None = Field(None, ge=0, description="keep at most this many rows of this source")
-    weight: float | None = Field(None, gt=0.0, description="share of the mixture (with the other weights)")
-    category: str | None = Field(None, min_length=1, description="evaluation category of its rows (chat, code, math)")
-    category_field: str | None = Field(None, min_length=1, description="row column naming the category (else category)")
-    split: Literal["train", "eval"] | None = Field(None, description="every row to this split; null = eval_fraction")
-
     @model_validator(mode="after")
-    def _one_location(self) -> SourceConfig:
-        if (self.path is None) == (self.hf is None):
-            raise ValueError(f"source '{self.name}' needs exactly one of path or hf")
-        if self.count is not None and self.weight is not None:
-            raise ValueError(f"source '{self.name}' sets both count and weight; keep one")
-        return self
-
-
-class CurateConfig(Section):
-    """Curation: filters, dedup, mixture and split. Lengths count the prompt (system + user text)."""
-
-    sources: list[SourceConfig] = Field(default_factory=list)
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    shard_rows: int = Field(1000, ge=1)
-    seed: int = 0
-    min_prompt_chars: int = Field(1, ge=0)
-    max_prompt_chars: int | None = Field(None, ge=1)
-    min_prompt_tokens: int | None = Field(None, ge=0, description="counted with curate.tokenizer (or the target's)")
-    max_prompt_tokens: int | None = Field(None, ge=1)
-    tokenizer: str | None = Field(None, description="tokenizer for token bounds; null = the target's")
-    blocklist: list[Regex] = Field(default_factory=list, description="regexes; a prompt matching any is dropped")
-    max_non_latin: float | None = Field(
-        None, ge=0.0, le=1.0, description="drop prompts whose letters are more than this share non-Latin")
-    near_dup_threshold: float | None = Field(
-        None, gt=0.0, le=1.0, description="MinHash LSH near-dup removal at this Jaccard; null = off (0.9 typical)")
-    near_dup_ngram: int = Field(3, ge=1, description="word n-grams hashed for near-dup")
-    total_rows: int | None = Field(None, ge=1, description="mixture size shared by weighted sources")
-
-    @model_validator(mode="after")
-    def _bounds_ordered(self) -> CurateConfig:
-        for unit, lo, hi in (("chars", self.min_prompt_chars, self.max_prompt_chars),
-                             ("tokens", self.min_prompt_tokens, self.max_prompt_tokens)):
-            if lo is not None and hi is not None and lo > hi:
-                raise ValueError(f"curate.min_prompt_{unit}={lo} is above curate.max_prompt_{unit}={hi}; "
-                                 "no prompt can pass")
+    def _package_file(self) -> TargetConfig:
+        if self.package is not None and (self.file is None or self.path is not None):
+            raise ValueError("target.package needs target.file (the .gguf inside it) and no target.path")
+        if self.file is not None and self.package is None:
+            raise ValueError("target.file needs target.package (the installed package that holds it)")
         return self
 
 
@@ -316,17 +266,37 @@ def _format_validation_error(err: ValidationError, origin: str) -> str:
 
 
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set `data['a']['b'] = value` for `dotted='a.b'`, creating dicts on the way."""
-    node = data
+    """Set `data['a']['b'] = value` for `dotted='a.b'`, creating dicts on the way; a number indexes a list
+    (`curate.sources.0.count=500`)."""
+    node: Any = data
     parts = dotted.split(".")
     for part in parts[:-1]:
+        if isinstance(node, list):
+            node = _list_item(node, part, dotted)
+            continue
         child = node.get(part)
         if child is None:
             child = node[part] = {}
-        if not isinstance(child, dict):
+        if not isinstance(child, dict | list):
             raise ConfigError(f"override '{dotted}': '{part}' is not a section")
         node = child
-    node[parts[-1]] = value
+    if isinstance(node, list):
+        node[_index(node, parts[-1], dotted)] = value
+    else:
+        node[parts[-1]] = value
+
+
+def _index(items: list, part: str, dotted: str) -> int:
+    if not part.isdigit() or int(part) >= len(items):
+        raise ConfigError(f"override '{dotted}': '{part}' is not an index of a list of {len(items)} items")
+    return int(part)
+
+
+def _list_item(items: list, part: str, dotted: str) -> dict:
+    item = items[_index(items, part, dotted)]
+    if not isinstance(item, dict):
+        raise ConfigError(f"override '{dotted}': item {part} is not a section")
+    return item
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -346,21 +316,42 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     data: dict[str, Any] = {}
     origin = "defaults"
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p} (give a path such as configs/tiny.yaml)")
-        origin = str(p)
-        try:
-            data = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {p} is not valid YAML: {exc}".splitlines()[0]) from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {p} must hold a mapping at the top level")
-        _resolve_source_paths(data, p.parent)
+        origin = str(path)
+        data = _read_yaml(Path(path), ())
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
     return validate_config(data, origin)
+
+
+def _read_yaml(p: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    """One config file as data, its relative source paths resolved; `base: other.yaml` (relative to this
+    file) is read first and this file's keys laid over it (sections merge, lists and values replace)."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p} (give a path such as configs/tiny.yaml)")
+    if p.resolve() in chain:
+        raise ConfigError(f"config file {p} is its own base (through {' -> '.join(map(str, chain))}); break the loop")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}".splitlines()[0]) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping at the top level")
+    _resolve_source_paths(data, p.parent)
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"config file {p}: base must be a file name such as tiny.yaml, not {base!r}")
+    return _merged(_read_yaml(p.parent / base, (*chain, p.resolve())), data)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
 
 
 def validate_config(data: dict[str, Any], origin: str) -> RunConfig:
@@ -375,7 +366,7 @@ def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
     """Relative local source paths are relative to the config file (else the working directory)."""
     for src in (data.get("curate") or {}).get("sources") or []:
         path = src.get("path") if isinstance(src, dict) else None
-        if not path or "://" in path or Path(path).is_absolute():
+        if not path or "://" in path or Path(path).is_absolute() or src.get("package"):
             continue
         candidate = (base / path).resolve()
         if candidate.exists():

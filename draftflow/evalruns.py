@@ -173,9 +173,9 @@ def _split(url: str) -> tuple[str, str]:
     return head, tail
 
 
-def resolve(arg: str) -> list[Evaluation]:
+def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
     """The evaluations `arg` names: a run root (every evaluation in it), an evaluate folder
-    (`<root>/evaluate/<fingerprint>`) or a report.json file.
+    (`<root>/evaluate/<fingerprint>`), a report.json file, or a run config (the evaluation it resolves to now).
 
     Raises:
         NoEvaluation: `arg` is none of these (one line naming it and what to pass).
@@ -184,6 +184,8 @@ def resolve(arg: str) -> list[Evaluation]:
 
     import fsspec
 
+    if arg.endswith((".yaml", ".yml")):
+        return [_from_config(arg, overrides)]
     arg = arg if "://" in arg else os.path.abspath(arg)  # labels and folders of relative paths read whole
     fs, base = fsspec.core.url_to_fs(arg)
     base = base.rstrip("/")
@@ -208,6 +210,21 @@ def resolve(arg: str) -> list[Evaluation]:
         f"no evaluation at {arg}: pass a run root that holds evaluate/ results (e.g. runs/tiny), "
         "an evaluate folder (runs/tiny/evaluate/<fingerprint>) or a report.json"
     )
+
+
+def _from_config(path: str, overrides: list[str] | None) -> Evaluation:
+    """The evaluation a run config resolves to today (its evaluate fingerprint), which must be complete."""
+    from draftflow.config import load_config
+    from draftflow.runinfo import stage_status
+
+    cfg = load_config(path, overrides)
+    row = next(s for s in stage_status(cfg) if s["stage"] == STAGE)
+    got = _from_folder(row["path"]) if row["state"] == "complete" else None
+    if got is None:
+        raise NoEvaluation(f"the evaluate stage of {path} is not complete ({row['state']}); "
+                           f"run `draftflow run {path}` first")
+    got.label = cfg.name
+    return got
 
 
 def _from_folder(folder: str) -> Evaluation | None:

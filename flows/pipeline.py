@@ -68,7 +68,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in extra.get("export", {}).items()},
-        "serve": serve_lines(Store(cfg.root), trained.manifest, target_path),  # format -> `vllm serve` line
+        "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype),  # format -> serve line
         "report": f"{evaluated.path}/{report['report']}",
     }
 

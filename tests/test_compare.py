@@ -103,3 +103,23 @@ def test_compare_cli_answers_without_torch_or_prefect(tmp_path):
     assert "tau ddtree 16" in proc.stdout
     got, proc = cli_imports("compare", str(tmp_path / "missing"))
     assert got == {"rc": 2, "heavy": []} and proc.stderr.count("\n") == 1 and "no evaluation at" in proc.stderr
+
+
+SERVED = {"batches": [1, 8], "methods": {
+    "dflash": {"speedup": {"1": 1.62, "8": 1.08}, "tau": 2.4},
+    "prompt_lookup": {"speedup": {"1": 1.1, "8": 0.97}, "tau": 1.3}}}
+
+
+def test_rehearsal_line_reads_the_served_speedup_and_vllms_tau(tmp_path):
+    from draftflow.compare import rehearsal_line
+
+    report = NEW | {"vllm": {"vllm": {"tau": 2.71}, "speculators": {"tau": 2.7}}, "served": SERVED}
+    line = rehearsal_line(report)
+    assert line == ("rehearsal dflash: tau 2.750 vllm_tau 2.710 prompt_lookup_tau 1.400 speedup_b1 1.620 "
+                    "speedup_b8 1.080")
+    words = line.split()
+    assert dict(zip(words[2::2], map(float, words[3::2])))["speedup_b1"] == 1.62  # as scripts read it
+    assert rehearsal_line(NEW) is None  # no served record: no line
+    assert figures(report)["speedup served b8 prompt_lookup"] == 0.97 and figures(report)["tau vllm"] == 2.71
+    text = compare([write(tmp_path / "r" / "report.json", report)], lines=True)
+    assert text.splitlines()[-1] == line

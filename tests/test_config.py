@@ -39,3 +39,24 @@ def test_invalid_value_and_missing_file_are_one_line_errors(tmp_path):
 
 def test_default_root_follows_name():
     assert RunConfig(name="abc").root == "./runs/abc"
+
+
+def test_a_list_item_is_overridden_by_its_index_and_a_bad_index_is_one_line():
+    cfg = load_config("configs/tiny.yaml", ["curate.sources.0.count=5", "curate.sources.4.split=train"])
+    assert cfg.curate.sources[0].count == 5 and cfg.curate.sources[4].split == "train"
+    with pytest.raises(ConfigError, match="'9' is not an index of a list of 5 items"):
+        load_config("configs/tiny.yaml", ["curate.sources.9.count=5"])
+
+
+def test_a_recipe_holds_only_its_deltas_over_its_base(tmp_path):
+    (tmp_path / "base.yaml").write_text("name: b\ntrain: {lr: 0.5, epochs: 3}\ndrafter: {block_size: 8}\n")
+    (tmp_path / "delta.yaml").write_text("base: base.yaml\nname: d\ntrain: {lr: 0.25}\n")
+    cfg = load_config(tmp_path / "delta.yaml")
+    assert (cfg.name, cfg.train.lr, cfg.train.epochs, cfg.drafter.block_size) == ("d", 0.25, 3, 8)
+    eagle = load_config("configs/smollm2-eagle3.yaml")
+    base = load_config("configs/smollm2.yaml")
+    assert eagle.drafter.kind == "eagle3" and eagle.root == base.root  # one root: the shared stages run once
+    assert eagle.curate == base.curate and eagle.regenerate == base.regenerate and eagle.tokenize == base.tokenize
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="is its own base"):
+        load_config(tmp_path / "loop.yaml")

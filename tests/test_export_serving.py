@@ -123,7 +123,8 @@ def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path,
     lines = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd")  # what `draftflow run` prints
     for fmt in EXPORT_FORMATS:
         assert f'"model": "/runs/demo/train/abc/export/{fmt}"' in (out / "export" / fmt / "README.md").read_text()
-        assert lines[fmt].startswith("vllm serve /abs/cache/tiny-0123abcd --speculative-config ")
+        assert " -m vllm.entrypoints.openai.api_server --model /abs/cache/tiny-0123abcd --dtype auto " \
+            "--speculative-config " in lines[fmt]
         assert f'"model": "{where[fmt]}"' in lines[fmt]
     assert str(tmp_path) not in "".join((out / "export" / fmt / "README.md").read_text() for fmt in EXPORT_FORMATS)
 
@@ -139,3 +140,13 @@ def test_vllm_reads_the_dflash_export_as_before(tmp_path, checkpoints, target):
     assert cfg.model_type == "qwen3" and cfg.architectures == ["DFlashDraftModel"]
     assert cfg.dflash_config == {"mask_token_id": MASK_ID, "target_layer_ids": [1, 2, 3]}
     assert cfg.block_size == BLOCK
+
+
+def test_the_printed_line_carries_the_dtype_and_runs_the_server_module_with_a_vllm_interpreter():
+    line = serve_command("/cache/gguf-x", "/runs/e/export/vllm", "dflash", 7, dtype="float32",
+                         python="/repo/.venv-vllm/bin/python")
+    words = shlex.split(line)
+    assert words[:5] == ["/repo/.venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model",
+                         "/cache/gguf-x"]
+    assert words[5:7] == ["--dtype", "float32"] and words[7] == "--speculative-config"
+    assert json.loads(words[8])["num_speculative_tokens"] == 7

@@ -314,3 +314,22 @@ def test_bucketed_resume_equals_uninterrupted(tmp_path, monkeypatch, target, sam
     assert train_drafter(mixed, target, dcfg, tcfg(), str(tmp_path / "b")) == full
     a, b = weights(tmp_path / "a"), weights(tmp_path / "b")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_mask_token_is_len_tokenizer_or_an_unused_added_token_when_the_embedding_has_no_spare_row():
+    """SmolLM2's 49,152 embedding rows are all tokens: len(tokenizer) would index past the embedding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from draftflow.training.job import mask_token_id
+
+    word = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<unk>": 2}, unk_token="<unk>"))
+    word.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word, unk_token="<unk>", eos_token="<|im_end|>")
+    tok.add_tokens(["<reserved_a>", "<reserved_b>"], special_tokens=True)
+    n = len(tok)
+    assert mask_token_id(tok, n + 64) == n  # a spare row: the DFlash default
+    assert mask_token_id(tok, n) == tok.convert_tokens_to_ids("<reserved_b>")  # never eos, unk or pad
+    tok.add_special_tokens({"additional_special_tokens": ["<reserved_a>", "<reserved_b>"]})
+    with pytest.raises(ConfigError, match="set drafter.mask_token_id"):
+        mask_token_id(tok, n)

@@ -1,7 +1,9 @@
 """Exact and near-duplicate detection over digests, never over texts.
 
 Exact: a 64-bit key of the whitespace-normalized system+user text (a collision
-among 1M prompts has probability ~3e-8); the first row in read order wins.
+among 1M prompts has probability ~3e-8); the first row in read order wins, or
+the first preferred row (curate prefers eval-only sources' rows, so an eval
+prompt is never the copy that goes).
 Near: a MinHash signature (datasketch, 64 permutations of 32 bits) of the
 prompt's lower-cased word n-grams, computed where rows are read; the merge
 bands the signatures (LSH) with numpy and confirms each candidate by its
@@ -11,6 +13,8 @@ dedup and 256 bytes per row for the signatures, whatever the text length.
 The near-dup rule, chosen for determinism and one pass per band: a row is a
 near duplicate when its estimated similarity to the earliest row of an LSH
 bucket it shares is at least the threshold (clusters keep their first row).
+`near_matches` applies the same rule across two sets (train rows against the
+eval split: decontamination).
 """
 
 from __future__ import annotations
@@ -46,10 +50,15 @@ def order_key(seed: int, sample_id: str) -> int:
     return key64(f"{seed}:{sample_id}")
 
 
-def first_occurrence(keys: np.ndarray) -> np.ndarray:
-    """Boolean mask of the rows whose key has not been seen earlier in the array."""
+def first_occurrence(keys: np.ndarray, preferred: np.ndarray | None = None) -> np.ndarray:
+    """Boolean mask of the rows whose key has not been seen earlier in the array.
+
+    Args:
+        preferred: (n,) bool; these rows count as earlier than all the others (then array order).
+    """
+    order = np.arange(len(keys)) if preferred is None else np.argsort(~preferred, kind="stable")
     keep = np.zeros(len(keys), dtype=bool)
-    keep[np.unique(keys, return_index=True)[1]] = True
+    keep[order[np.unique(keys[order], return_index=True)[1]]] = True
     return keep
 
 
@@ -123,3 +132,34 @@ def near_duplicates(sigs: np.ndarray, threshold: float) -> tuple[np.ndarray, np.
         hit = (sim >= threshold) & (anchor[cand] < 0)
         anchor[cand[hit]], best[cand[hit]] = ref[hit], sim[hit]
     return anchor >= 0, anchor, best
+
+
+def near_matches(sigs: np.ndarray, refs: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of `sigs` that resemble a row of `refs`: per LSH band, the earliest ref row sharing a row's bucket
+    is a candidate, confirmed when their signatures agree on at least `threshold` of their values.
+
+    Returns:
+        (mask over `sigs`, index into `refs` of the row each one resembles (-1 if none), similarity)
+    """
+    anchor = np.full(len(sigs), -1, dtype=np.int64)
+    best = np.zeros(len(sigs), dtype=np.float32)
+    if not len(sigs) or not len(refs):
+        return anchor >= 0, anchor, best
+    b, r = bands_for(threshold, sigs.shape[1])
+    for band in range(b):
+        buckets, first = np.unique(_band_hash(refs, band, r), return_index=True)  # earliest ref per bucket
+        h = _band_hash(sigs, band, r)
+        at = np.minimum(np.searchsorted(buckets, h), len(buckets) - 1)
+        cand = np.flatnonzero((buckets[at] == h) & (anchor < 0))
+        ref = first[at[cand]]
+        sim = (sigs[cand] == refs[ref]).mean(axis=1).astype(np.float32)
+        hit = sim >= threshold
+        anchor[cand[hit]], best[cand[hit]] = ref[hit], sim[hit]
+    return anchor >= 0, anchor, best
+
+
+def needs_signatures(cfg: Any) -> bool:
+    """Whether curate computes MinHash signatures (a `CurateConfig` with near-dup on, or decontamination on
+    and an eval split to protect)."""
+    has_eval = cfg.eval_fraction > 0 or any(s.split == "eval" for s in cfg.sources)
+    return cfg.near_dup_threshold is not None or (cfg.decontaminate is not None and has_eval)

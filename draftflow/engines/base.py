@@ -32,6 +32,9 @@ class GenRequest:
     messages: list[dict[str, Any]]
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # e.g. enable_thinking, tools
     prompt_ids: list[int] = field(default_factory=list)
+    # This request's sampling seed (None: the params' seed). vLLM seeds each request, so identical prompts
+    # need their own seeds to differ; the hf engine seeds once per batch (rows differ) and ignores it.
+    seed: int | None = None
 
 
 @dataclass

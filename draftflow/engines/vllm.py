@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from draftflow.config import VLLMEngineConfig
@@ -267,9 +268,13 @@ class VLLMEngine:
         if too_long:
             log.warning("%d of %d prompts exceed max_model_len=%d", len(too_long), len(prompts), self.max_model_len)
         if fits:
+            sampling = self.vllm_sampling(params)
+            if any(requests[i].seed is not None for i in fits):  # one SamplingParams per request
+                sampling = [sampling if requests[i].seed is None else
+                            self.vllm_sampling(replace(params, seed=requests[i].seed)) for i in fits]
             with self._lock:
                 outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in fits],
-                                            self.vllm_sampling(params), use_tqdm=False)
+                                            sampling, use_tqdm=False)
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
             for i, out in zip(fits, outputs):
                 results[i] = to_completion(out, self.eos_ids, decode)

@@ -63,6 +63,11 @@ class EvaluateConfig(Section):
         "speculative decoding (settings from regenerate.vllm), check them lossless and compare vLLM's tau")
     vllm_tau_tolerance: float = Field(
         0.25, ge=0.0, description="engine=vllm: largest |tau(vLLM) - tau(draftflow)| before the stage fails")
+    served_batches: list[Annotated[int, Field(ge=1)]] = Field(
+        [1, 8], description="engine=vllm: batch sizes at which vLLM's tokens/s with and without each method is "
+        "measured (the served speedup); [] = not measured")
+    served_baselines: list[Literal["prompt_lookup"]] = Field(
+        ["prompt_lookup"], description="engine=vllm: training-free methods also served and timed (vLLM's n-gram)")
     ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
     categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
     baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts

@@ -77,6 +77,7 @@ def speedup_lines(speed: dict[str, Any] | None) -> list[str]:
     return [
         "## Projected speedup",
         "",
+        *([f"- **withheld**: {speed['withheld']}"] if speed.get("withheld") else []),
         f"- **×{_f(speed['projected'], '.2f')}** by `{speed['formula']}` (Leviathan et al. 2023, Theorem 3.8, "
         "with measured costs): "
         f"t_step {ms(speed['target_step_s'])} (target, 1 new token), t_verify {ms(speed['verify_step_s'])} "
@@ -145,9 +146,22 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
     return {
         "tau_per_category": {c: s["tau"] for c, s in (stats.get("categories") or {}).items()},
         "baselines": {n: b["tau"] for n, b in (stats.get("baselines") or {}).items()},
-        "speedup": {k: speed.get(k) for k in ("projected", "formula", "device")} if speed else None,
+        "speedup": {k: speed.get(k) for k in ("projected", "formula", "device", "withheld")} | {
+            "baselines": {n: x for n, x in (speed.get("projected_per_proposer") or {}).items()
+                          if n in (stats.get("baselines") or {}) and n != "no_draft"}} if speed else None,
+        "served": {n: m["speedup"] for n, m in stats["served"]["methods"].items()} if stats.get("served") else None,
         "ddtree": {b: s["tau"] for b, s in (stats.get("ddtree") or {}).items()},  # DFlash: τ per DDTree budget
     }
+
+
+def _projected_line(s: dict[str, Any]) -> str:
+    """The projection, the best baseline's beside it, or why there is none."""
+    if s.get("withheld"):
+        return f"projected speedup withheld: {s['withheld']}"
+    base = {n: x for n, x in (s.get("baselines") or {}).items() if x is not None}
+    best = max(base.items(), key=lambda kv: kv[1], default=None)
+    beside = f", best baseline {best[0]} x{best[1]:.2f}" if best else ""
+    return f"projected speedup x{_f(s['projected'], '.2f')}{beside} ({s['formula']}; measured on {s['device']})"
 
 
 def console_lines(head: dict[str, Any] | None) -> list[str]:
@@ -160,8 +174,10 @@ def console_lines(head: dict[str, Any] | None) -> list[str]:
     if head.get("baselines"):
         lines.append("baselines (same prompts): " + ", ".join(f"{n} tau {_f(t)}" for n, t in head["baselines"].items()))
     if head.get("speedup"):
-        s = head["speedup"]
-        lines.append(f"projected speedup x{_f(s['projected'], '.2f')} ({s['formula']}; measured on {s['device']})")
+        lines.append(_projected_line(head["speedup"]))
+    if head.get("served"):  # measured in vLLM: tokens/s with the method / without, per batch size
+        lines.append("served speedup (vLLM, measured): " + "; ".join(
+            f"{n} " + ", ".join(f"x{x:.2f} at batch {b}" for b, x in per.items()) for n, per in head["served"].items()))
     if head.get("ddtree"):  # budget b verifies b x (B-1) draft nodes; 1 = the plain block
         budgets = sorted(head["ddtree"].items(), key=lambda kv: int(kv[0]))
         lines.append("DDTree tau per budget (x block drafts): " + ", ".join(f"{b} {_f(t)}" for b, t in budgets))

@@ -14,6 +14,7 @@ one line: the drafter would serve differently from how it was measured.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ from draftflow.evaluation.alignment import alignment_line, alignment_report
 from draftflow.evaluation.compare_with import OtherDrafter, decode_others, resolve_all, rounding_for
 from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
 from draftflow.evaluation.selection import prompt_set
+from draftflow.evaluation.served import render as render_served
 from draftflow.evaluation.suite import add_comparisons
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
@@ -37,6 +39,7 @@ from draftflow.features import round_trip
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
+from draftflow.vllm_serve import ServeJob
 
 log = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -139,6 +142,9 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
                   "| export | τ vLLM | τ draftflow | drafting steps | lossless |", "|---|---|---|---|---|"]
         lines += [f"| {fmt} | {_tau(r['tau'])} | {_tau(stats['tau'])} | {r['drafts']} | yes |"
                   for fmt, r in stats["vllm"].items()]
+    if stats.get("served"):  # tokens/s with and without each method, measured in vLLM
+        taus = {cfg.drafter.kind: stats["tau"]} | {n: b["tau"] for n, b in (stats.get("baselines") or {}).items()}
+        lines += ["", *render_served(stats["served"], taus)]
     if "categories" in stats:  # categories, baselines, projected speedup and their plots
         lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
     if "ddtree" in stats:
@@ -193,8 +199,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
                                       cfg.evaluate, eos, rounding, reference=outputs)
     if cfg.evaluate.engine == "vllm":
-        stats["vllm"] = serve_exports(store, cfg, target, trained, prompts[: len(outputs)], outputs, stats["tau"],
-                                      sorted(eos))
+        job = ServeJob(target.path, prompts[: len(outputs)], cfg.evaluate.max_new_tokens, sorted(eos),
+                       cfg.regenerate.vllm, cfg.target.dtype, categories=tuple(categories[: len(outputs)]))
+        stats["vllm"], stats["served"] = serve_exports(store, cfg, target, trained, job, outputs, stats["tau"])
     entries = write_plots(store, fp, stats)
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
@@ -239,17 +246,30 @@ def check_served(fmt: str, served, outputs: list[list[int]], tau: float | None, 
                               f"{tolerance:g}): training and serving disagree (taps, mask token, attention)")
 
 
-def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: StageResult,
-                  prompts: list[list[int]], outputs: list[list[int]], tau: float | None,
-                  stop_ids: list[int]) -> dict[str, Any]:
-    """Serve every export with vLLM on `prompts`; per format its τ, acceptance rates and drafting steps."""
-    from draftflow.vllm_serve import serve_with_vllm
+def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: StageResult, job: ServeJob,
+                  outputs: list[list[int]], tau: float | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Serve every export with vLLM on `job.prompts`, checked lossless and against draftflow's τ; with
+    `evaluate.served_batches` the vLLM-native export, vLLM's prompt lookup and plain decoding are also timed.
+
+    Returns:
+        (per format its τ, acceptance rates and drafting steps; the served-speedup record or None).
+    """
+    from draftflow.evaluation import served as served_speed
+    from draftflow.vllm_serve import prompt_lookup_config, serve_with_vllm, speculative_config
 
     report: dict[str, Any] = {}
+    record, runs = None, {}
     with tempfile.TemporaryDirectory(prefix="draftflow-exports-") as tmp:
-        for fmt, folder in _export_folders(store, trained, Path(tmp)).items():
-            served = serve_with_vllm(target.path, folder, prompts, cfg.evaluate.max_new_tokens, stop_ids,
-                                     cfg.regenerate.vllm, cfg.target.dtype)
+        folders = _export_folders(store, trained, Path(tmp))
+        if cfg.evaluate.served_batches and "vllm" in folders:
+            drafts = speculative_config(folders["vllm"])["num_speculative_tokens"]
+            methods = {cfg.drafter.kind: (folders["vllm"], None)}
+            methods |= {name: (None, prompt_lookup_config(drafts)) for name in cfg.evaluate.served_baselines}
+            timed = dataclasses.replace(job, batches=tuple(cfg.evaluate.served_batches))
+            record, timed_runs = served_speed.measure(timed, methods, outputs)
+            runs["vllm"] = timed_runs[cfg.drafter.kind]
+        for fmt, folder in folders.items():
+            served = runs.get(fmt) or serve_with_vllm(job, folder)
             check_served(fmt, served, outputs, tau, cfg.evaluate.vllm_tau_tolerance)
             report[fmt] = {"tau": served.tau, "acceptance_rate": served.acceptance_rate, "drafts": served.drafts}
-    return report
+    return report, record

@@ -190,13 +190,30 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
     return write_metrics(out, metrics) + exports
 
 
-def serve_lines(store: Store, trained: Manifest, target: str) -> dict[str, str]:
-    """Per export format of a complete train stage, the `vllm serve` line of its export where the store
-    holds it, with the target as this machine loaded it (`target`), so the line runs here as printed.
+def serve_lines(store: Store, trained: Manifest, target: str, dtype: str = "auto") -> dict[str, str]:
+    """Per export format of a complete train stage, the line that serves its export where the store holds
+    it, with the target as this machine loaded it (`target`) and the dtype vLLM measured it in, through an
+    interpreter that imports vLLM (`vllm_python`), so the line runs here as printed.
     Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's."""
+    from draftflow.engines.vllm import stored_dtype
+
     lines = {}
     for fmt, rel in trained.extra.get("export", {}).items():
         folder = store.stage_path(STAGE, trained.fingerprint, rel)
         config = store.read_json(f"{folder}/config.json")
-        lines[fmt] = serve_command(target, store.url(folder), *speculative_settings(config))
+        lines[fmt] = serve_command(target, store.url(folder), *speculative_settings(config),
+                                   dtype=stored_dtype(target, dtype), python=vllm_python())
     return lines
+
+
+def vllm_python() -> str:
+    """An interpreter that imports vLLM: this one if it does, else the project's `.venv-vllm` (where
+    `make rehearsal` and `make test-vllm` install vLLM's CPU build) when it is in the working directory,
+    else `python`."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        return sys.executable
+    local = Path(".venv-vllm") / "bin" / "python"
+    return str(local.absolute()) if local.is_file() else "python"  # not resolve(): a venv python is a link

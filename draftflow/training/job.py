@@ -14,6 +14,7 @@ paths, so one function serves both the in-process path and every rank.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,10 +36,31 @@ from draftflow.store import Store
 from draftflow.target import TargetRef, load_target
 from draftflow.training.mirror import push_checkpoint
 
+log = logging.getLogger(__name__)
 
-def mask_token_id(tokenizer) -> int:
-    """The tokenizer's mask token, else `len(tokenizer)` (DFlash; Qwen3 gives 151669)."""
-    return tokenizer.mask_token_id if tokenizer.mask_token_id is not None else len(tokenizer)
+
+def mask_token_id(tokenizer, embedding_rows: int | None = None) -> int:
+    """The tokenizer's mask token, else `len(tokenizer)` (DFlash; Qwen3 gives 151669) when the target's
+    embedding has that row, else the highest added token that is not one of the tokenizer's special
+    tokens (SmolLM2, whose 49,152 rows are all tokens: 16, `<empty_output>`). Such a token never occurs
+    in chat text the template renders; its (frozen) embedding is only a marker for the masked slots.
+
+    Raises:
+        ConfigError: no spare row and no unused added token; the message says to set drafter.mask_token_id.
+    """
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id
+    if embedding_rows is None or len(tokenizer) < embedding_rows:
+        return len(tokenizer)
+    used = set(tokenizer.all_special_ids)
+    spare = [i for i in tokenizer.added_tokens_decoder if i not in used and i < embedding_rows]
+    if not spare:
+        raise ConfigError(f"the target has no spare embedding row for the DFlash mask token (len(tokenizer) = "
+                          f"{len(tokenizer)} = embedding rows) and no unused added token; set drafter.mask_token_id "
+                          "to an id its chat never uses")
+    log.info("mask token: id %d (%s), an added token the chat does not use (the embedding has no spare row)",
+             max(spare), tokenizer.convert_ids_to_tokens(max(spare)))
+    return max(spare)
 
 
 def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: tuple[ShardEntry, ...]) -> None:
@@ -88,7 +110,8 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
     vocab = None
     if spec.draft_vocab:
         vocab = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
-    inputs = DraftInputs(mask_token_id=mask_token_id(tokenizer),
+    rows = model.get_input_embeddings().num_embeddings
+    inputs = DraftInputs(mask_token_id=mask_token_id(tokenizer, rows),
                          draft_vocab_size=None if vocab is None else vocab[0].numel())
     return spec.config_from_target(model.config, cfg.drafter, inputs), vocab
 

@@ -101,7 +101,7 @@ def test_a_wrong_mask_token_in_the_export_fails_the_serving_check(dflash_run, tm
     (Taps off by one would be the other classic; on the random tiny target neighbouring layers are too
     alike for it to move τ, so the mask token stands in for "train and serve differ".)"""
     from draftflow.stages.evaluate import ServingMismatch, check_served
-    from draftflow.vllm_serve import serve_with_vllm
+    from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
     cfg, summary = dflash_run
     report = _served(summary)
@@ -112,8 +112,9 @@ def test_a_wrong_mask_token_in_the_export_fails_the_serving_check(dflash_run, tm
     config["dflash_config"]["mask_token_id"] = 0  # trained with len(tokenizer)
     (export / "config.json").write_text(json.dumps(config))
     prompts, outputs, stop_ids = _eval_prompts_and_greedy(cfg, summary, tiny_target)
-    served = serve_with_vllm(tiny_target.path, export, prompts, cfg.evaluate.max_new_tokens, stop_ids,
-                             cfg.regenerate.vllm, cfg.target.dtype)
+    job = ServeJob(tiny_target.path, prompts, cfg.evaluate.max_new_tokens, stop_ids, cfg.regenerate.vllm,
+                   cfg.target.dtype)
+    served = serve_with_vllm(job, export)
     assert served.tokens == outputs  # still lossless: verification hides a bad drafter...
     # On the bundled eval prompts the demo drafter accepts less (τ ~1.8), so the wrong mask token costs ~0.18
     # of τ here: a tolerance of 0.1 still holds the correct export (its τ equals draftflow's to 1e-6 on CPU)
