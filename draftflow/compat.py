@@ -13,6 +13,7 @@ written by either version, or a plain namespace in tests, works the same.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -83,3 +84,24 @@ def quiet_progress() -> Iterator[None]:
     finally:
         if was_on:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def quiet_gguf_conversion() -> Iterator[None]:
+    """No "Converting and de-quantizing GGUF tensors" bar inside the block (restored after).
+
+    transformers (4.x and 5.x) draws it with the `tqdm.auto.tqdm` its `modeling_gguf_pytorch_utils` imports,
+    not with its own `logging.tqdm`, so `quiet_progress` does not reach it, and TQDM_DISABLE is read
+    only when tqdm is imported: that module's `tqdm` is bound to a disabled one while the block runs.
+    Process-wide like `quiet_progress`: hold a lock around it if other threads load GGUF files.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar

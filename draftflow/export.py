@@ -222,19 +222,22 @@ def _read_checkpoint(checkpoint_dir: str | Path) -> tuple[DFlashConfig, dict[str
 
 
 def write_export(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor], target_name: str,
-                 served_from: str | None = None) -> Path:
+                 served_from: str | None = None, target_config: Any = None) -> Path:
     """An export folder: `config.json`, `model.safetensors` (already renamed), `README.md`, and the
     modeling file when `config` has an `auto_map`; each file written atomically.
 
     Args:
         target_name: the portable target name the README's serve line uses.
         served_from: the folder's path in the serve line; default: `out_dir`, absolute.
+        target_config: the target's HF config; the README reads its folder (`_name_or_path`) for a GGUF
+            target's conversion record.
     """
     out = write_weights_and_config(out_dir, weights, config)
     if config.get("auto_map"):
         source = modeling_file().read_bytes()
         write_local_atomic(out / MODELING_NAME, lambda tmp: Path(tmp).write_bytes(source))
-    write_readme(out, config, target_name, served_from or str(out.resolve()))
+    write_readme(out, config, target_name, served_from or str(out.resolve()),
+                 getattr(target_config, "_name_or_path", None) or None)
     return out
 
 
@@ -255,7 +258,7 @@ def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     cfg, weights = _read_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     return write_export(out_dir, vllm_config(cfg, target_config), export_state_dict(weights), target_name,
-                        served_from)
+                        served_from, target_config)
 
 
 def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
@@ -270,7 +273,7 @@ def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     cfg, weights = _read_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     config = speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, export_state_dict(weights), target_name, served_from)
+    return write_export(out_dir, config, export_state_dict(weights), target_name, served_from, target_config)
 
 
 def write_trained_on(out_dir: str | Path, trained_on: dict[str, Any]) -> None:

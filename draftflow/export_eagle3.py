@@ -119,7 +119,7 @@ def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     config = eagle3_vllm_config(cfg, target_config)
     return write_export(out_dir, config, _renamed(weights, EAGLE3_VLLM_NAMES),
-                        target_name or default_target_name(target_config), served_from)
+                        target_name or default_target_name(target_config), served_from, target_config)
 
 
 def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
@@ -128,7 +128,8 @@ def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, t
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     config = eagle3_speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, _renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from)
+    return write_export(out_dir, config, _renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from,
+                        target_config)
 
 
 def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:

@@ -1,14 +1,15 @@
 """What an export tells its user: the `vllm serve` line, the folder's README, a portable target name.
 
-Text only: it reads an exported `config.json` (as data) and builds strings. It knows nothing
-of weights, training or stores, and starts no server (`draftflow.vllm_serve` does that);
-`draftflow.export` writes the README built here, the train stage records the serve lines,
-and the CLI prints them.
+Text only: it reads an exported `config.json` and a GGUF target's conversion record (as data)
+and builds strings. It knows nothing of weights, training or stores, and starts no server
+(`draftflow.vllm_serve` does that); `draftflow.export` writes the README built here, the train
+stage records the serve lines, and the CLI prints them.
 
 Key trade-off: an export is meant to be copied and shared, so its README and its speculators
 `verifier` name the target by a portable id (the hub id as configured; for a local folder or
-the built-in tiny target, the folder's name), never an absolute path. The line `draftflow run`
-prints names the target as resolved on the machine that trained, so that one runs as printed.
+the built-in tiny target, the folder's name; for a GGUF target, the GGUF file's stem), never an
+absolute path. The line `draftflow run` prints names the target as resolved on the machine that
+trained, so that one runs as printed.
 
 vLLM facts relied on (vLLM `config/speculative.py`, `transformers_utils/config.py`,
 `transformers_utils/configs/speculators/base.py`): `--speculative-config` takes JSON with
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.errors import StoreError
+from draftflow.gguf_target import describe_weights, gguf_info
 from draftflow.store import write_local_atomic
 
 README_NAME = "README.md"
@@ -37,20 +39,34 @@ def portable_target_name(configured: str | None, resolved: str) -> str:
     """The target as an export names it: a hub id, or a folder's name; never an absolute path.
 
     Args:
-        configured: `target.path` as written in the run config (None: the built-in tiny target).
+        configured: `target.path` as written in the run config (None: the built-in tiny target or a
+            `target.package` GGUF).
         resolved: where the target was loaded from (a hub id or a local folder).
 
     Returns:
-        `configured` when it is a hub id; else the local folder's name (the hub id when the
-        folder is a Hugging Face cache snapshot, `models--org--name/snapshots/<rev>`).
+        A GGUF target's file stem (`SmolLM2-135M-Instruct.Q4_1`: from `configured`, a .gguf path, or
+        from the conversion record in the folder); `configured` when it is a hub id; else the local
+        folder's name (the hub id when the folder is a Hugging Face cache snapshot,
+        `models--org--name/snapshots/<rev>`).
     """
+    if configured and configured.lower().endswith(".gguf"):
+        return Path(configured).stem
     if configured and not configured.startswith((".", "/", "~")) and not Path(configured).expanduser().exists():
         return configured
     folder = Path(configured or resolved).expanduser()
+    if (info := gguf_info(folder)) and info.get("gguf_file"):
+        return Path(info["gguf_file"]).stem
     for part in reversed(folder.parts):
         if part.startswith(HF_CACHE_PREFIX) and len(part) > len(HF_CACHE_PREFIX):
             return part[len(HF_CACHE_PREFIX):].replace("--", "/")
     return folder.resolve().name or "target"
+
+
+def described_target(configured: str | None, resolved: str) -> str | None:
+    """'NAME (dequantized from Q4_1 (NAME.gguf), stored float32)' for a GGUF target (reports say what the
+    weights are), else None. Args as for `portable_target_name`."""
+    weights = describe_weights(resolved)
+    return None if weights is None else f"{portable_target_name(configured, resolved)} ({weights})"
 
 
 def speculative_settings(config: dict[str, Any]) -> tuple[str, int]:
@@ -110,13 +126,15 @@ def serve_command_for(export_dir: str | Path, target: str, served_from: str | No
 TITLES = {"dflash": "DFlash", "eagle3": "EAGLE-3"}
 
 
-def export_readme(config: dict[str, Any], target: str, served_from: str) -> str:
+def export_readme(config: dict[str, Any], target: str, served_from: str, target_folder: str | None = None) -> str:
     """README.md of an export folder: what it is and the exact line that serves it.
 
     Args:
         config: the folder's `config.json`.
         target: the portable target name (`portable_target_name`).
         served_from: the folder's path (or store URL) as written into the serve line.
+        target_folder: the folder the target was loaded from (read for a GGUF target's conversion record only;
+            never written into the README).
     """
     method, tokens = speculative_settings(config)
     speculators = "speculators_config" in config
@@ -137,6 +155,7 @@ def export_readme(config: dict[str, Any], target: str, served_from: str) -> str:
         "  id, or for a local folder (or draftflow's built-in tiny target, built as `tiny-<hash>` under",
         "  `$DRAFTFLOW_CACHE`, default `~/.cache/draftflow`) the folder's name: draftflow never records the",
         "  target's local path. If it is not a hub id, replace it with the path of your copy of the target.",
+        *_gguf_lines(target, target_folder),
         f"- `{served_from}` is where draftflow wrote this folder; use its new path if you moved or downloaded it"
         + (" (vLLM reads a local folder: copy it from the object store first)." if "://" in served_from else "."),
         "- Pass `--dtype` as the target was evaluated (`draftflow run` prints the line with it): vLLM serves a",
@@ -158,6 +177,16 @@ def export_readme(config: dict[str, Any], target: str, served_from: str) -> str:
     if config.get("auto_map"):
         lines += _transformers_section(config)
     return "\n".join(lines) + "\n"
+
+
+def _gguf_lines(target: str, folder: str | None) -> list[str]:
+    """The README bullet of a GGUF target: which file, how its weights were made, how to make them again."""
+    if folder is None or (weights := describe_weights(folder)) is None:
+        return []
+    return [f"- `{target}` is the Hugging Face folder draftflow converted from a GGUF file:",
+            f"  {weights}. Give draftflow that file (`target.path`, or `target.package` + `target.file`",
+            f"  for one inside a Python package) and it converts it again into `$DRAFTFLOW_CACHE/{Path(folder).name}`;",
+            "  serve that folder."]
 
 
 def _transformers_section(config: dict[str, Any]) -> list[str]:
@@ -183,9 +212,10 @@ def _transformers_section(config: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_readme(out_dir: str | Path, config: dict[str, Any], target: str, served_from: str) -> Path:
+def write_readme(out_dir: str | Path, config: dict[str, Any], target: str, served_from: str,
+                 target_folder: str | None = None) -> Path:
     """Write `export_readme` as `out_dir/README.md` (atomically); return its path."""
     path = Path(out_dir) / README_NAME
-    text = export_readme(config, target, served_from)
+    text = export_readme(config, target, served_from, target_folder)
     write_local_atomic(path, lambda tmp: Path(tmp).write_text(text))
     return path

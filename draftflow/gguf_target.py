@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
 
-from draftflow.compat import quiet_progress
+from draftflow.compat import quiet_gguf_conversion, quiet_progress
 from draftflow.config import TargetConfig
 from draftflow.errors import ConfigError
 from draftflow.store import default_cache_dir, shared_mode, write_local_atomic
@@ -63,6 +63,21 @@ def gguf_source(cfg: TargetConfig) -> Path | None:
         raise ConfigError(f"target.path {cfg.path}: no such GGUF file; check the path "
                           "(or give an HF model id or folder)")
     return file
+
+
+def is_gguf(cfg: TargetConfig) -> bool:
+    """The target config names a GGUF file (`target.package` + `target.file`, or a .gguf `target.path`)."""
+    return cfg.package is not None or (cfg.path or "").lower().endswith(".gguf")
+
+
+def target_label(cfg: TargetConfig) -> str:
+    """How records name the target: `package/file` for a GGUF inside a package, a .gguf path's file name,
+    else `target.path` as configured ("tiny": the built-in target)."""
+    if cfg.package is not None:
+        return f"{cfg.package}/{cfg.file}"
+    if is_gguf(cfg):
+        return Path(cfg.path or "").name
+    return cfg.path or "tiny"
 
 
 def _package_file(package: str, name: str) -> Path:
@@ -140,7 +155,7 @@ def convert_gguf(file: Path, dtype: str = "auto", cache_dir: Path | None = None,
         tmp.chmod(shared_mode(directory=True))  # mkdtemp makes 0700
         start = time.monotonic()
         log.info("converting GGUF %s (%s, %s) into %s, once", file, info["architecture"], info["quantization"], out)
-        with lock or nullcontext(), quiet_progress():
+        with lock or nullcontext(), quiet_progress(), quiet_gguf_conversion():
             _build(file, info, saved, tmp)
         info.update(gguf_file=file.name, sha256=sha, dtype=saved, transformers=version("transformers"))
         (tmp / GGUF_INFO).write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
@@ -304,13 +319,19 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
 
 
-def describe_weights(folder: str | Path) -> str | None:
-    """'dequantized from Q4_1 (m.Q4_1.gguf), stored float32' for a folder this module converted, else None."""
+def gguf_info(folder: str | Path) -> dict | None:
+    """The `GGUF_INFO` record of a folder this module converted (gguf_file, quantization, dtype, ...), else None."""
     try:
         info = json.loads((Path(folder) / GGUF_INFO).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or info.get("converted_by") != "draftflow":
+    return info if isinstance(info, dict) and info.get("converted_by") == "draftflow" else None
+
+
+def describe_weights(folder: str | Path) -> str | None:
+    """'dequantized from Q4_1 (m.Q4_1.gguf), stored float32' for a folder this module converted, else None."""
+    info = gguf_info(folder)
+    if info is None:
         return None
     verb = "converted" if info.get("quantization") in FLOAT_TYPES else "dequantized"
     return f"{verb} from {info.get('quantization')} ({info.get('gguf_file')}), stored {info.get('dtype')}"

@@ -172,6 +172,8 @@ def cmd_run(args) -> int:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
               f"dropped {dropped:<28} {s['path']}")
+    if summary.get("target"):  # what the weights are when they are not the target's own (a GGUF target)
+        print(f"target: {summary['target']}")
     tau = summary["tau"]
     print(f"mean acceptance length tau = {'n/a' if tau is None else f'{tau:.3f}'}")
     from draftflow.evaluation.summary import console_lines

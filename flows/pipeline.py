@@ -12,6 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
+from draftflow.export_readme import described_target
 from draftflow.report import plots_markdown
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
@@ -60,6 +61,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
     report, extra = evaluated.manifest.extra, trained.manifest.extra
     return {
         "name": cfg.name,
+        "target": described_target(cfg.target.path, target_path),  # None unless a converted GGUF target
         "stages": [{"stage": s.stage, "status": s.status, "fingerprint": s.fingerprint, "path": s.path,
                     "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "dropped": s.manifest.dropped}
                    for s in stages],

@@ -31,3 +31,16 @@ def test_benchmark_runs_and_prints_a_ratio(name, tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     out = proc.stdout + proc.stderr
     assert re.search(r"ratio|\d\.?\d*x\b", out), out[-2000:]  # "ratio 0.97" or "1.4x" against its baseline
+
+
+def test_stage_floors_prints_every_stage_against_its_floor():
+    """One row per stage (regenerate on the hf fallback: no vLLM here), each with a positive ratio."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DRAFTFLOW_TORCH_THREADS": "1"}
+    args = ["--config", "configs/tiny.yaml", "--prompts", "2", "--max-new-tokens", "16", "--train-steps", "1",
+            "--eval-prompts", "1", "--repeats", "1"]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.stage_floors", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    ratios = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) .*\|\s*([\d.]+) \| .+$", proc.stdout, re.M)}
+    assert sorted(ratios) == ["evaluate", "extract", "regenerate", "train"], proc.stdout
+    assert all(r > 0 for r in ratios.values()), ratios

@@ -181,13 +181,14 @@ def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkey
              "speculators": "vllm serve org/t --speculative-config '{\"method\": \"dflash\", \"x\": 1}'"}
     summary = {"stages": [], "tau": 2.5, "checkpoint": "/r/train/fp/checkpoint", "report": "/r/evaluate/fp/report.md",
                "exports": {"vllm": "/r/train/fp/export/vllm", "speculators": "/r/train/fp/export/speculators"},
-               "serve": serve}
+               "serve": serve, "target": "m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)"}
     monkeypatch.setattr(draftflow.plan, "preflight", lambda cfg: None)
     monkeypatch.setattr(flows.pipeline, "pipeline", lambda cfg: summary)
     for name in ("_prefect_env", "_cpu_threads", "_quiet_user_errors"):
         monkeypatch.setattr(cli, name, lambda: None)
     assert cli.main(["run", str(ROOT / "configs" / "tiny.yaml"), "--set", f"root={tmp_path}/r"]) == 0
     out = capsys.readouterr().out.splitlines()
+    assert "target: m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)" in out  # a GGUF target
     i = out.index("export (vllm): /r/train/fp/export/vllm")
     assert out[i + 1] == f"  serve: {serve['vllm']}"
     assert out[i + 2:i + 4] == ["export (speculators): /r/train/fp/export/speculators",
@@ -221,7 +222,15 @@ def test_pipeline_summary_resolves_the_manifests_relative_paths_and_makes_the_se
     assert summary["checkpoint"] == f"{where}/checkpoint"
     assert summary["exports"] == {"vllm": f"{where}/export/vllm"}
     assert summary["report"] == store.url(store.stage_path("evaluate", "fp", "report.md"))
+    assert summary["target"] is None  # not a GGUF target: nothing to say about its weights
+    converted = Path(tiny_cfg.root) / "gguf-0123456789abcdef-float32"  # a converted GGUF target's record
+    converted.mkdir(parents=True)
+    (converted / "draftflow_gguf.json").write_text(json.dumps(
+        {"converted_by": "draftflow", "gguf_file": "m.Q4_1.gguf", "quantization": "Q4_1", "dtype": "float32"}))
+    gguf = summarize(tiny_cfg, [stage("train", train), stage("evaluate", {"tau": 1.5, "report": "report.md"})],
+                     str(converted))
+    assert gguf["target"] == "m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)"
     line = summary["serve"]["vllm"]
-    assert line.startswith("vllm serve /models/target ")
+    assert " -m vllm.entrypoints.openai.api_server --model /models/target --dtype auto " in line  # runs as printed
     spec = json.loads(line.split("--speculative-config ", 1)[1].strip("'"))
     assert spec == {"method": "dflash", "model": f"{where}/export/vllm", "num_speculative_tokens": 7}

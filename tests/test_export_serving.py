@@ -85,6 +85,8 @@ def test_portable_target_name(tmp_path, monkeypatch):
     assert portable_target_name(None, "/home/u/.cache/draftflow/tiny-0123abcd") == "tiny-0123abcd"  # built-in tiny
     snapshot = "/hf/hub/models--Qwen--Qwen3-8B/snapshots/9c925d64d72725edaf899c6cb9c377fd0709d9c5"
     assert portable_target_name(snapshot, snapshot) == "Qwen/Qwen3-8B"  # a hub cache snapshot: its hub id
+    assert portable_target_name("models/SmolLM2-135M-Instruct.Q4_1.gguf", str(folder)) == \
+        "SmolLM2-135M-Instruct.Q4_1"  # a GGUF: its file's stem (a package target: tests/test_gguf_reports.py)
 
 
 def test_an_absolute_target_path_never_reaches_an_export(tmp_path, checkpoints, target, monkeypatch):
@@ -94,6 +96,27 @@ def test_an_absolute_target_path_never_reaches_an_export(tmp_path, checkpoints, 
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "Qwen3-8B-base"
     assert "/models/local" not in (out / "README.md").read_text() + (out / "config.json").read_text()
 
+
+
+@pytest.mark.parametrize("kind, fmt, export", [e[:3] for e in EXPORTS])
+def test_a_gguf_target_is_named_by_its_file_and_the_readme_says_how_it_was_made(tmp_path, checkpoints, target,
+                                                                                 monkeypatch, kind, fmt, export):
+    converted = tmp_path / "cache" / "gguf-0123456789abcdef-float32"  # as draftflow.gguf_target leaves it
+    converted.mkdir(parents=True)
+    (converted / "draftflow_gguf.json").write_text(json.dumps(
+        {"converted_by": "draftflow", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quantization": "Q4_1",
+         "dtype": "float32"}))
+    monkeypatch.setattr(target.config, "_name_or_path", str(converted))
+    out = export(checkpoints[kind], tmp_path / fmt, target.config)
+    readme = (out / "README.md").read_text()
+    assert "vllm serve SmolLM2-135M-Instruct.Q4_1 --speculative-config" in readme
+    assert "converted from a GGUF file: dequantized from Q4_1 (SmolLM2-135M-Instruct.Q4_1.gguf), stored float32." \
+        in " ".join(readme.split())
+    assert "`$DRAFTFLOW_CACHE/gguf-0123456789abcdef-float32`" in readme and "`target.package` + `target.file`" in readme
+    if fmt == "speculators":
+        verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]
+        assert verifier["name_or_path"] == "SmolLM2-135M-Instruct.Q4_1"
+    assert str(tmp_path / "cache") not in readme + (out / "config.json").read_text()
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path, checkpoints, target, kind):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -178,6 +180,37 @@ def test_the_fingerprint_is_the_files_content_and_the_stored_dtype(tiny_gguf, tm
     assert json.loads((Path(bf16.path) / "config.json").read_text())["dtype"] == "bfloat16"
     assert describe_weights(bf16.path).endswith("stored bfloat16")
 
+
+def test_a_conversion_draws_no_progress_bar_and_logs_its_time(tiny_gguf, tmp_path, capfd, caplog):
+    from tqdm.auto import tqdm
+    from transformers import modeling_gguf_pytorch_utils
+
+    caplog.set_level(logging.INFO, logger="draftflow.gguf_target")
+    resolve_target(TargetConfig(path=str(tiny_gguf)), tmp_path / "cache")
+    assert "GGUF tensors" not in capfd.readouterr().err  # transformers' "Converting and de-quantizing" bar
+    assert modeling_gguf_pytorch_utils.tqdm is tqdm  # its bar is back for everyone else
+    assert re.search(r"converted GGUF \S+tiny\.Q4_1\.gguf \(Q4_1\) into \S+ in \d+\.\d s", caplog.text)
+
+
+def test_another_node_converts_a_gguf_target_again_and_names_it_when_it_differs(tiny_gguf, tmp_path, monkeypatch):
+    from draftflow.training.launch import _node_target
+
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "this-node"))
+    package = tmp_path / "site" / "gguf_pkg_on_nodes"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "m.Q4_1.gguf").write_bytes(tiny_gguf.read_bytes())
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    fingerprint = f"gguf-{file_sha256(tiny_gguf, tmp_path / 'this-node')[:16]}-float32"
+    packaged = TargetConfig(package="gguf_pkg_on_nodes", file="m.Q4_1.gguf")
+    for target, label in ((TargetConfig(path=str(tiny_gguf)), "tiny.Q4_1.gguf"),
+                          (packaged, "gguf_pkg_on_nodes/m.Q4_1.gguf")):
+        cfg = type("Cfg", (), {"target": target})
+        got = _node_target(cfg, {"path": "/first/node/cache/" + fingerprint, "fingerprint": fingerprint})
+        assert got.fingerprint == fingerprint and Path(got.path).parent == tmp_path / "this-node"
+        message = f"the GGUF target {label} converted on this node ({fingerprint}) differs from the first node's"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            _node_target(cfg, {"path": "/first/node/cache/gguf-other", "fingerprint": "gguf-other"})
 
 def test_bad_files_and_packages_are_one_line_errors_naming_them(tiny_gguf, tmp_path, monkeypatch):
     cache = tmp_path / "cache"

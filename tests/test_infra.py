@@ -113,3 +113,22 @@ def test_gpu_job_template_renders_the_gpu_count_and_image_a_deployment_sets():
     shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"]["medium"] == "Memory"
     assert "{{" not in json.dumps(rendered)
+
+
+
+@pytest.mark.parametrize("name", ["constraints-cpu.txt", "constraints-vllm.txt"])
+def test_the_gguf_extra_is_pinned_in_both_legs_constraints(name):
+    """`make install` and `make test-vllm` install `.[gguf]`: its packages get the tested versions, not the newest."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import tomllib
+
+    pins = dict(line.split("==") for line in (ROOT / name).read_text().splitlines() if "==" in line)
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gguf"]
+    for package in (re.match(r"[A-Za-z0-9_.-]+", req).group(0) for req in extra):
+        assert package in pins, f"{name} does not pin {package} (the gguf extra)"
+        try:
+            installed = version(package)
+        except PackageNotFoundError:
+            continue
+        assert pins[package] == installed, f"{name} pins {package}=={pins[package]}; this venv has {installed}"

@@ -69,6 +69,9 @@ class EvaluateConfig(Section):
     served_baselines: list[Literal["prompt_lookup"]] = Field(
         ["prompt_lookup"], description="engine=vllm: training-free methods also served and timed (vLLM's n-gram)")
     ddtree_budgets: list[Annotated[int, Field(ge=1)]] = [1, 4, 8, 16, 32]  # DFlash tree nodes b x (B-1); 1 = chain
+    ddtree_prompts: int | None = Field(
+        None, ge=1, description="DDTree on the first N evaluated prompts only (its loop re-reads the whole sequence "
+        "every step, no KV cache: the slow part on a real target on CPU); null = all of them")
     categories: list[str] | None = Field(None, description="evaluate only these prompt categories; null = all")
     baselines: list[Literal["no_draft", "prompt_lookup"]] = ["no_draft", "prompt_lookup"]  # decoded on the same prompts
     kv_cache: bool = Field(True, description="KV-cached decoding (same tokens and tau); false = the uncached reference")

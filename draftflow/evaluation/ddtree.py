@@ -286,6 +286,7 @@ def evaluate_ddtree(
         logger.info("DDTree budgets: skipped, DFlash drafters only")
         return None
     chosen = prompts[: ecfg.num_prompts] if ecfg.num_prompts else prompts
+    chosen = chosen[: ecfg.ddtree_prompts] if ecfg.ddtree_prompts else chosen
     refs = list(reference or [None] * len(chosen))
     drafts = drafter.config.block_size - 1
     drafter.eval()

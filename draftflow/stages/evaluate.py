@@ -35,6 +35,7 @@ from draftflow.evaluation.served import render as render_served
 from draftflow.evaluation.suite import add_comparisons
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
+from draftflow.export_readme import described_target
 from draftflow.features import round_trip
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
@@ -130,7 +131,8 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
     lines = [f"# {cfg.name}: drafter evaluation", "",
              f"- mean acceptance length **τ = {_tau(stats['tau'])}** over {stats['steps']} steps, "
              f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
-             f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}", "",
+             f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}",
+             *([f"- target: {stats['target']}"] if stats.get("target") else []), "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
     if line := alignment_line(stats.get("alignment")):
@@ -183,6 +185,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     rounding = functools.partial(round_trip, dtype=cfg.extract.dtype, n_taps=n_taps)
     eos = eos_token_ids(model, tokenizer)
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
+    stats["target"] = described_target(cfg.target.path, target.path)  # a GGUF target: which weights (else None)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     stats["prompt_set"] = prompt_set(ids[: stats["prompts"]])  # which prompts: runs compare only on equal sets

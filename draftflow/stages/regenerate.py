@@ -30,6 +30,7 @@ from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_ta
 from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
 from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.errors import ConversationError
+from draftflow.gguf_target import target_label
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store
 from draftflow.target import TargetRef
@@ -205,7 +206,7 @@ def check_engine(cfg: RunConfig, target: TargetRef) -> None:
 
 
 def provenance_of(engine, cfg: RunConfig, target: TargetRef, params: SamplingParams) -> str:
-    return json.dumps({"engine": engine.name, "model": cfg.target.path or "tiny", "revision": cfg.target.revision,
+    return json.dumps({"engine": engine.name, "model": target_label(cfg.target), "revision": cfg.target.revision,
                        "target_fingerprint": target.fingerprint, "sampling": params.to_dict()}, sort_keys=True)
 
 

@@ -337,17 +337,24 @@ def _barrier() -> None:
 
 
 def _node_target(cfg, ref: dict[str, str]):
-    """The target as the parent resolved it; the built-in tiny target is rebuilt in this node's cache when the
-    parent's copy is not on this node (a hub id or a folder at the same path on every node is used as is)."""
+    """The target as the parent resolved it; the built-in tiny target and a GGUF target's converted folder are
+    made again in this node's cache when the parent's copy is not on this node (a hub id or a folder at the
+    same path on every node is used as is)."""
+    from draftflow.gguf_target import is_gguf, target_label
     from draftflow.target import TargetRef, resolve_target
 
-    if cfg.target.path is not None or Path(ref["path"]).exists():
+    made_here = cfg.target.path is None or is_gguf(cfg.target)  # built or converted into a cache
+    if not made_here or Path(ref["path"]).exists():
         return TargetRef(**ref)
     built = resolve_target(cfg.target)
-    if built.fingerprint != ref["fingerprint"]:
-        raise ConfigError(f"the tiny target built on this node ({built.fingerprint}) differs from the first "
-                          f"node's ({ref['fingerprint']}); install the same draftflow version on every node")
-    return built
+    if built.fingerprint == ref["fingerprint"]:
+        return built
+    if is_gguf(cfg.target):
+        raise ConfigError(f"the GGUF target {target_label(cfg.target)} converted on this node ({built.fingerprint}) "
+                          f"differs from the first node's ({ref['fingerprint']}); give every node the same .gguf "
+                          "file (same bytes) and the same target.dtype")
+    raise ConfigError(f"the tiny target built on this node ({built.fingerprint}) differs from the first "
+                      f"node's ({ref['fingerprint']}); install the same draftflow version on every node")
 
 
 def _bind_device(cfg):
