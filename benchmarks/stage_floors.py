@@ -19,9 +19,11 @@ the same work on the same machine, in the same process, on the same inputs:
   train row steps it): rarely accepted, so that ratio is a lower bound of what a trained drafter gives.
 
 Each side is warmed up once, then both run alternately `--repeats` times; the best time of each counts.
-Ratios only, no pass/fail. Run it as a module (benchmarks/tokenize.py shadows the stdlib otherwise):
+Ratios only, no pass/fail. `DRAFTFLOW_TORCH_THREADS` sets this process's torch threads (default: torch's):
+on a shared, loaded CPU machine set it to 1, since threads waiting for a busy core make timings erratic.
+Run it as a module (benchmarks/tokenize.py shadows the stdlib otherwise):
 
-    .venv-vllm/bin/python -m benchmarks.stage_floors --config configs/smollm2.yaml --prompts 8
+    DRAFTFLOW_TORCH_THREADS=1 .venv-vllm/bin/python -m benchmarks.stage_floors --config configs/smollm2.yaml
     python -m benchmarks.stage_floors --config configs/tiny.yaml --prompts 2 --max-new-tokens 16
 """
 
@@ -293,6 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    torch.set_num_threads(int(os.environ.get("DRAFTFLOW_TORCH_THREADS", torch.get_num_threads())))
     try:
         bench(parse_args(argv))
     except (DraftflowError, ValidationError) as exc:  # a setting to fix: one line, no traceback
