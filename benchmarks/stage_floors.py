@@ -199,8 +199,8 @@ def train_row(cfg: RunConfig, drafter, samples: list[FeatureSample], steps: int,
         return supervised
 
     rates = best_of(ours, floor, repeats)
-    what = (f"drafter fwd + CE on all slots + bwd + AdamW, same blocks prebuilt ({steps} steps x "
-            f"{tcfg.batch_size} seqs, <= {tcfg.num_anchors} anchors)")
+    what = (f"drafter fwd + CE on all slots + bwd + AdamW, same blocks prebuilt ({steps} step(s) of "
+            f"{tcfg.batch_size} seqs, <= {tcfg.num_anchors} anchors each)")
     return Row(f"train ({drafter.config.architecture})", *rates, what)
 
 

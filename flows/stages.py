@@ -7,6 +7,7 @@ results, and returns its own stage result (status, fingerprint, manifest).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 from prefect import flow
 
@@ -105,12 +106,28 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
     return run_stage(cfg, "extract", inputs, work)
 
 
+@contextmanager
+def every_core():
+    """On CPU, torch uses every core while a whole-stage task (train, evaluate) runs alone: the CLI's one thread
+    per task (`flows.cli._cpu_threads`) is for shard tasks that run two at a time. DRAFTFLOW_TORCH_THREADS wins."""
+    import torch
+
+    before = torch.get_num_threads()
+    if not torch.cuda.is_available() and "DRAFTFLOW_TORCH_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @flow(name="train")
 def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
     inputs = _inputs(cfg, "train", target, extract=features)
 
     def work(store, fp):
-        return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
+        with every_core():
+            return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
     result = run_stage(cfg, "train", inputs, work)
     publish_table(cfg, "train", "metrics", metrics_table(result.manifest.extra.get("metrics") or {}),
                   "Final training metrics: loss, tau estimate, accuracy per block position")
@@ -122,8 +139,9 @@ def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: S
     inputs = _inputs(cfg, "evaluate", target, curate=curated, train=trained)
 
     def work(store, fp):
-        return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,
-                                  trained=trained)
+        with every_core():
+            return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,
+                                      trained=trained)
     result = run_stage(cfg, "evaluate", inputs, work)
     return gate_stage(cfg, result, trained)  # also on a reused stage: thresholds are in no fingerprint
 

@@ -64,8 +64,11 @@ def user_header(fmt: ChatFormat, system: str | None) -> str:
 
 
 def engine_name(rcfg: RegenerateConfig) -> str:
-    """The engine that samples: vllm when regenerate uses it, else hf (HTTP chat endpoints cannot continue raw ids)."""
-    return "vllm" if rcfg.engine == "vllm" else "hf"
+    """The engine that samples: vllm when regenerate uses it on a GPU, else hf (HTTP chat endpoints cannot continue
+    raw ids, and vLLM's CPU build cannot seed a request: its worker dies with "CPU Generator does not use offset")."""
+    import torch
+
+    return "vllm" if rcfg.engine == "vllm" and torch.cuda.is_available() else "hf"
 
 
 def file_key(cfg: SelfInstructConfig, target_fp: str, engine: str) -> str:
