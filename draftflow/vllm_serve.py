@@ -74,8 +74,9 @@ def speculative_config(export_dir: str | Path) -> dict[str, Any]:
     return {"method": method, "model": str(export_dir), "num_speculative_tokens": tokens}
 
 
-def prompt_lookup_config(num_speculative_tokens: int, max_ngram: int = 4) -> dict[str, Any]:
-    """vLLM's n-gram prompt lookup (the served counterpart of draftflow's `prompt_lookup` baseline)."""
+def prompt_lookup_config(num_speculative_tokens: int, max_ngram: int = 3) -> dict[str, Any]:
+    """vLLM's n-gram prompt lookup, the served counterpart of draftflow's `prompt_lookup` baseline (the last 3, 2
+    or 1 tokens). vLLM counts only the steps where it found a match, so its τ is per drafting step."""
     return {"method": "ngram", "num_speculative_tokens": int(num_speculative_tokens),
             "prompt_lookup_max": max_ngram, "prompt_lookup_min": 1}
 
@@ -122,23 +123,33 @@ def _decode_batched(llm: Any, prompts: list[list[int]], params: Any, batch: int)
     return tokens, seconds
 
 
+def _window(before: tuple[int, int, list[int]], after: tuple[int, int, list[int]]) -> tuple[int, int, list[int]]:
+    """The counters' growth between two snapshots: (drafts, accepted, accepted per position)."""
+    per_pos = [a - b for a, b in zip(after[2], before[2] or [0] * len(after[2]))]
+    return after[0] - before[0], after[1] - before[1], per_pos
+
+
 def decode_timed(llm: Any, vllm: Any, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int],
-                 batches: tuple[int, ...]) -> dict[str, Any]:
-    """Greedy decoding of `prompts` at each batch size (batch 1 first when asked), after a warm-up.
+                 batches: tuple[int, ...], warm_up: bool = True) -> dict[str, Any]:
+    """Greedy decoding of `prompts` at each batch size in order, after an untimed warm-up request.
 
     Returns:
-        tokens_by_batch, tok_s (per batch size) and per_prompt (batch 1's counters, else empty).
+        tokens_by_batch, tok_s (per batch size), per_prompt (batch 1's (drafts, accepted), else empty) and
+        counters: vLLM's (drafts, accepted, per position) over the first batch size only (no warm-up, no
+        repeats), so τ and P(at least k accepted) describe the same decoding.
     """
     params = vllm.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, stop_token_ids=list(stop_ids),
                                  detokenize=False)
-    warm = vllm.SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, detokenize=False)
-    _generate(llm, prompts[:1], warm)  # first-call costs (allocation, kernel choice) are not serving speed
+    if warm_up:  # first-call costs (allocation, kernel choice) are not serving speed
+        _generate(llm, prompts[:1], vllm.SamplingParams(max_tokens=WARMUP_TOKENS, temperature=0.0, detokenize=False))
     out: dict[str, Any] = {"tokens_by_batch": {}, "tok_s": {}, "per_prompt": []}
     for b in batches:
+        before = _counters(llm)
         if b == 1:
             tokens, out["per_prompt"], seconds = _decode_batch_one(llm, prompts, params)
         else:
             tokens, seconds = _decode_batched(llm, prompts, params, b)
+        out.setdefault("counters", _window(before, _counters(llm)))
         out["tokens_by_batch"][b] = tokens
         out["tok_s"][b] = sum(map(len, tokens)) / max(seconds, 1e-9)
     return out
@@ -194,16 +205,12 @@ def serve_with_vllm(job: ServeJob, export_dir: str | Path | None = None,
                    **engine_kwargs(job.vcfg, job.target_path, job.dtype))
     try:
         run = decode_timed(llm, vllm, job.prompts, job.max_new_tokens, job.stop_ids,
-                           job.batches or (len(job.prompts) or 1,))
-        all_drafts, _, per_pos = _counters(llm)
+                           job.batches or (len(job.prompts) or 1,), warm_up=bool(job.batches))
     finally:
         shutdown_llm(llm)
-    # P(at least k accepted) over every drafting step of every batch size (the same greedy text each time);
-    # τ from batch 1's counters when measured (the warm-up and the batched repeats left out), else all.
-    rate = [a / all_drafts for a in per_pos] if all_drafts else []
-    drafts, accepted = (sum(c[i] for c in run["per_prompt"]) for i in (0, 1)) if run["per_prompt"] else (
-        all_drafts, round(sum(per_pos)))
+    drafts, accepted, per_pos = run["counters"]
     tau = 1.0 + accepted / drafts if drafts else None
+    rate = [a / drafts for a in per_pos] if drafts else []  # P(at least k drafts accepted), k = 1..
     name = str(export_dir) if export_dir is not None else (spec or {}).get("method", "plain")
     log.info("vLLM served %s: tau %s, tokens/s %s", name, f"{tau:.3f}" if tau else "n/a",
              {b: round(v, 1) for b, v in run["tok_s"].items()})

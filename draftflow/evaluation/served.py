@@ -45,7 +45,7 @@ def _record(job: ServeJob, served, plain) -> dict[str, Any]:
     lossless = {str(b): served.tokens_by_batch[b] == plain.tokens_by_batch[b] for b in job.batches}
     return {
         "tok_s": {str(b): served.tok_s[b] for b in job.batches},
-        "speedup": {str(b): served.tok_s[b] / plain.tok_s[b] for b in job.batches},
+        "speedup": {str(b): served.tok_s[b] / plain.tok_s[b] if plain.tok_s[b] else None for b in job.batches},
         "tau": served.tau,
         "tau_per_category": per_category(list(job.categories), served.per_prompt),
         "acceptance_rate": served.acceptance_rate,
@@ -84,8 +84,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
     for name, (export, spec) in methods.items():
         runs[name] = _serve(job, export, spec)
         out["methods"][name] = _record(job, runs[name], plain)
-        log.info("served %s: speedup %s", name,
-                 {b: round(x, 2) for b, x in out["methods"][name]["speedup"].items()})
+        log.info("served %s: speedup %s", name, out["methods"][name]["speedup"])
     return out, runs
 
 
@@ -106,13 +105,14 @@ def render(served: dict[str, Any] | None, draftflow_tau: dict[str, float | None]
     lines = ["## Served speedup (vLLM, measured)", "",
              f"{served['prompts']} prompts, up to {served['max_new_tokens']} new tokens, {served['dtype']}; "
              f"{served['measured']}. Plain vLLM equals draftflow's greedy text on "
-             f"{served['plain']['equal_to_draftflow_greedy']} prompts.", "",
+             f"{served['plain']['equal_to_draftflow_greedy']} prompts. Lossless: the method's text equals plain "
+             "vLLM's at that batch size. vLLM's prompt lookup counts only steps where it found a match.", "",
              f"| method | τ vLLM | τ draftflow | {head} |", "|---" * (3 + 3 * len(bs)) + "|",
              "| plain | 1.000 | 1.000 | " + " | ".join(f"{served['plain']['tok_s'][b]:.1f} | 1.00 | yes" for b in bs)
              + " |"]
     for name, m in served["methods"].items():
-        cells = " | ".join(f"{m['tok_s'][b]:.1f} | {m['speedup'][b]:.2f} | {'yes' if m['lossless'][b] else 'NO'}"
-                           for b in bs)
+        cells = " | ".join(f"{m['tok_s'][b]:.1f} | {_f(m['speedup'][b], '.2f')} | "
+                           f"{'yes' if m['lossless'][b] else 'NO'}" for b in bs)
         lines.append(f"| {name} | {_f(m['tau'])} | {_f(draftflow_tau.get(name))} | {cells} |")
     lines += ["", "| method | " + " | ".join(f"τ vLLM {c}" for c in _categories(served)) + " |",
               "|---" * (1 + len(_categories(served))) + "|"]
@@ -123,12 +123,3 @@ def render(served: dict[str, Any] | None, draftflow_tau: dict[str, float | None]
 
 def _categories(served: dict[str, Any]) -> list[str]:
     return sorted({c for m in served["methods"].values() for c in m["tau_per_category"]})
-
-
-def console_line(served: dict[str, Any] | None) -> str | None:
-    """`served speedup (vLLM): dflash x1.42 b1, x1.10 b8; prompt_lookup x1.05 b1, ...` for the console."""
-    if not served:
-        return None
-    parts = [f"{name} " + ", ".join(f"x{x:.2f} b{b}" for b, x in m["speedup"].items())
-             for name, m in served["methods"].items()]
-    return "served speedup (vLLM, measured): " + "; ".join(parts)

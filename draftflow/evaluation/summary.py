@@ -177,7 +177,8 @@ def console_lines(head: dict[str, Any] | None) -> list[str]:
         lines.append(_projected_line(head["speedup"]))
     if head.get("served"):  # measured in vLLM: tokens/s with the method / without, per batch size
         lines.append("served speedup (vLLM, measured): " + "; ".join(
-            f"{n} " + ", ".join(f"x{x:.2f} at batch {b}" for b, x in per.items()) for n, per in head["served"].items()))
+            f"{n} " + ", ".join(f"x{_f(x, '.2f')} at batch {b}" for b, x in per.items())
+            for n, per in head["served"].items()))
     if head.get("ddtree"):  # budget b verifies b x (B-1) draft nodes; 1 = the plain block
         budgets = sorted(head["ddtree"].items(), key=lambda kv: int(kv[0]))
         lines.append("DDTree tau per budget (x block drafts): " + ", ".join(f"{b} {_f(t)}" for b, t in budgets))

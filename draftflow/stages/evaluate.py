@@ -238,6 +238,8 @@ def _export_folders(store: Store, trained: StageResult, into: Path) -> dict[str,
 
 def check_served(fmt: str, served, outputs: list[list[int]], tau: float | None, tolerance: float) -> None:
     """Fail when vLLM's tokens differ from greedy, or its τ from draftflow's by more than `tolerance`."""
+    if len(served.tokens) != len(outputs):
+        raise LosslessError(f"vLLM serving the {fmt} export answered {len(served.tokens)} of {len(outputs)} prompts")
     for i, (got, want) in enumerate(zip(served.tokens, outputs)):
         if got != want:
             pos = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

@@ -50,3 +50,24 @@ def connector_overrides() -> list[str]:
     import torch
 
     return [] if torch.cuda.is_available() else [f"regenerate.vllm.hidden_states_connector={CPU_CONNECTOR}"]
+
+
+def assert_features_are_hidden_states(stage_dir: Path, model, n: int, atol: float) -> list[int]:
+    """The first `n` stored samples' taps equal transformers' `hidden_states[L+1]` (bf16 storage: `atol`);
+    returns the taps."""
+    import json
+
+    import torch
+
+    from draftflow.features import FeatureShard
+
+    path = next(stage_dir.glob("*.safetensors"))
+    layer_ids = json.loads((path.parent / "manifest.json").read_text())["shards"][0]["layer_ids"]
+    samples = list(FeatureShard(path))[:n]
+    assert samples
+    with torch.no_grad():
+        for s in samples:
+            ref = model(s.input_ids[None], output_hidden_states=True).hidden_states
+            for slot, lid in enumerate(layer_ids):
+                torch.testing.assert_close(s.hidden[:, slot].float(), ref[lid + 1][0], atol=atol, rtol=2e-2)
+    return layer_ids

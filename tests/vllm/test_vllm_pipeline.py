@@ -14,19 +14,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
 from draftflow.data.schema import read_rows
-from draftflow.features import FeatureShard
 from draftflow.stages import regenerate
 from draftflow.stages.common import Source
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.test_eagle3_pipeline import eagle3_config
-from tests.vllm.conftest import VLLM_OVERRIDES, connector_overrides
+from tests.vllm.conftest import VLLM_OVERRIDES, assert_features_are_hidden_states, connector_overrides
 
 # Enough training for a drafter that accepts something, so that τ(vLLM) vs τ(draftflow) means something.
 TRAINED = ["train.max_steps=400", "evaluate.num_prompts=4", "evaluate.max_new_tokens=32"]
+# The served speedup (three more engine starts) is tested on the real target: tests/vllm/test_real_target.py.
+UNTIMED = "evaluate.served_batches=[]"
 
 
 def _stage(summary: dict, name: str) -> dict:
@@ -38,7 +38,7 @@ def dflash_run(prefect_harness, tmp_path_factory):
     from flows.pipeline import pipeline
 
     cfg = tiny_config(tmp_path_factory.mktemp("vllm-dflash") / "run", "regenerate.engine=vllm", "extract.engine=vllm",
-                      "evaluate.engine=vllm", *VLLM_OVERRIDES, *connector_overrides(), *TRAINED)
+                      "evaluate.engine=vllm", *VLLM_OVERRIDES, *connector_overrides(), *TRAINED, UNTIMED)
     return cfg, pipeline(cfg)
 
 
@@ -63,21 +63,12 @@ def test_regenerated_ids_equal_the_transformers_engine(dflash_run, tiny_target):
     assert ids(got) == ids(want)  # multi-turn and tool conversations of the sample data included
 
 
-@torch.no_grad()
 def test_stored_features_equal_transformers_hidden_states(dflash_run, tiny_target):
     from draftflow.target import load_target
 
     _, summary = dflash_run
     model, _ = load_target(tiny_target.path, "float32", "cpu")
-    path = next(Path(_stage(summary, "extract")["path"]).glob("*.safetensors"))
-    manifest = json.loads((path.parent / "manifest.json").read_text())
-    layer_ids = manifest["shards"][0]["layer_ids"]
-    samples = list(FeatureShard(path))[:4]
-    assert samples
-    for s in samples:
-        ref = model(s.input_ids[None], output_hidden_states=True).hidden_states
-        for slot, lid in enumerate(layer_ids):  # stored in bf16: its tolerance
-            torch.testing.assert_close(s.hidden[:, slot].float(), ref[lid + 1][0], atol=3e-2, rtol=2e-2)
+    assert_features_are_hidden_states(Path(_stage(summary, "extract")["path"]), model, 4, atol=3e-2)
 
 
 def _served(summary: dict) -> dict:
@@ -149,7 +140,7 @@ def _eval_prompts_and_greedy(cfg, summary, tiny_target):
 def test_both_eagle3_exports_served_lossless(prefect_harness, tmp_path):
     from flows.pipeline import pipeline
 
-    cfg = eagle3_config(tmp_path / "run", "evaluate.engine=vllm", *VLLM_OVERRIDES)
+    cfg = eagle3_config(tmp_path / "run", "evaluate.engine=vllm", *VLLM_OVERRIDES, UNTIMED)
     summary = pipeline(cfg)
     report = _served(summary)
     assert set(report["vllm"]) == {"vllm", "speculators"}

@@ -1,0 +1,93 @@
+"""The served-speedup arithmetic without vLLM: counter windows, per-prompt τ, ratios, lossless flags, report.
+
+vLLM itself is exercised in tests/vllm/test_real_target.py; here a stand-in `LLM` advances known counters, so
+the exact τ, P(at least k accepted) and per-category figures are checked (the warm-up request and the repeats
+at other batch sizes must not leak into them).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from draftflow.evaluation import served
+from draftflow.vllm_serve import ServedResult, ServeJob, decode_timed
+
+VLLM = SimpleNamespace(SamplingParams=lambda **kw: kw)
+
+
+class CountingLLM:
+    """Each request yields `max_tokens` tokens; with `drafting`, each request adds 4 drafting steps that
+    accepted 6 tokens in all (3 at position 1, 2 at 2, 1 at 3), except prompt 0, which adds 2 steps, 0 accepted."""
+
+    def __init__(self, drafting: bool = True):
+        self.drafting, self.drafts, self.accepted, self.per_pos = drafting, 0, 0, [0, 0, 0]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        outs = []
+        for p in prompts:
+            first = p["prompt_token_ids"][0] == 0
+            if self.drafting:
+                self.drafts += 2 if first else 4
+                self.accepted += 0 if first else 6
+                self.per_pos = [a + b for a, b in zip(self.per_pos, [0, 0, 0] if first else [3, 2, 1])]
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(range(params["max_tokens"])))]))
+        return outs
+
+    def get_metrics(self):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=self.drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=self.accepted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=self.per_pos)]
+
+
+def test_decode_timed_counts_only_the_first_batch_size_and_each_prompt_at_batch_one():
+    prompts = [[0, 5], [1, 5], [2, 5]]
+    run = decode_timed(CountingLLM(), VLLM, prompts, 10, [2], (1, 8))
+    assert run["per_prompt"] == [(2, 0), (4, 6), (4, 6)]  # the warm-up (prompt 0 again) is not in prompt 0's count
+    assert run["counters"] == (10, 12, [6, 4, 2])  # batch 1 only: not the warm-up, not the batch-8 repeat
+    assert set(run["tok_s"]) == {1, 8} and all(v > 0 for v in run["tok_s"].values())
+    assert run["tokens_by_batch"][1] == run["tokens_by_batch"][8] == [list(range(10))] * 3
+    untimed = decode_timed(CountingLLM(), VLLM, prompts, 10, [2], (3,), warm_up=False)
+    assert untimed["per_prompt"] == [] and untimed["counters"] == (10, 12, [6, 4, 2])
+
+
+def _result(tok_s: dict[int, float], tokens: dict[int, list], per_prompt=(), tau=None) -> ServedResult:
+    first = next(iter(tokens))
+    return ServedResult("x", tokens[first], tau, [0.5], 4, 2, list(per_prompt), tok_s, tokens)
+
+
+def test_measure_reports_ratios_lossless_flags_and_tau_per_category(monkeypatch):
+    same, other = [[1, 2], [3]], [[1, 2], [4]]
+    runs = {None: _result({1: 20.0, 8: 80.0}, {1: same, 8: same}),
+            "dflash": _result({1: 30.0, 8: 60.0}, {1: same, 8: other}, [(4, 6), (2, 0)], tau=2.0),
+            "ngram": _result({1: 21.0, 8: 84.0}, {1: same, 8: same}, [(0, 0), (1, 1)], tau=2.0)}
+    monkeypatch.setattr(served, "_serve", lambda job, export=None, spec=None: runs[(spec or {}).get("method")
+                                                                                   or (export and "dflash")])
+    job = ServeJob("t", [[0], [1]], 8, [2], None, "float32", (1, 8), ("chat", "code"))
+    record, results = served.measure(job, {"dflash": ("export", None), "prompt_lookup": (None, {"method": "ngram"})},
+                                     greedy=[[1, 2], [9]])
+    d = record["methods"]["dflash"]
+    assert d["speedup"] == {"1": 1.5, "8": 0.75} and d["lossless"] == {"1": True, "8": False}
+    assert d["tau_per_category"] == {"chat": 2.5, "code": 1.0}
+    assert record["methods"]["prompt_lookup"]["tau_per_category"] == {"chat": None, "code": 2.0}  # no step: no τ
+    assert record["plain"]["equal_to_draftflow_greedy"] == "1/2" and results["dflash"] is runs["dflash"]
+    text = "\n".join(served.render(record, {"dflash": 2.1, "prompt_lookup": 1.4}))
+    assert "| dflash | 2.000 | 2.100 | 30.0 | 1.50 | yes | 60.0 | 0.75 | NO |" in text
+    for table in text.split("\n\n"):  # one column count per markdown table
+        rows = [line for line in table.splitlines() if line.startswith("|")]
+        assert len({line.count("|") for line in rows}) <= 1, table
+
+
+def test_a_plain_run_that_produced_nothing_gives_no_ratio_rather_than_a_traceback(monkeypatch):
+    job = ServeJob("t", [[0]], 8, [2], None, "float32", (1,), ("chat",))
+    runs = iter([_result({1: 0.0}, {1: [[]]}), _result({1: 5.0}, {1: [[]]}, [(1, 1)], tau=2.0)])
+    monkeypatch.setattr(served, "_serve", lambda *a, **k: next(runs))
+    record, _ = served.measure(job, {"dflash": ("e", None)}, greedy=[[]])
+    assert record["methods"]["dflash"]["speedup"] == {"1": None}
+    assert "n/a" in "\n".join(served.render(record, {}))
+
+
+def test_per_category_without_drafting_steps_is_none():
+    assert served.per_category(["a", "a"], [(0, 0), (0, 0)]) == {"a": None}
+    assert served.per_category(["a", "b"], [(2, 2), (1, 0)]) == {"a": pytest.approx(2.0), "b": 1.0}
