@@ -28,6 +28,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from pydantic import ValidationError
@@ -178,12 +179,17 @@ def bench(args: argparse.Namespace) -> None:
         engine.close()
 
 
+def run_cli(bench_fn: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> None:
+    """Run a benchmark; a setting to fix ends it with one line, no traceback."""
+    try:
+        bench_fn(args)
+    except (DraftflowError, ValidationError) as exc:
+        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        bench(parse_args(argv))
-    except (DraftflowError, ValidationError) as exc:  # a setting to fix: one line, no traceback
-        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+    run_cli(bench, parse_args(argv))
 
 
 if __name__ == "__main__":

