@@ -14,8 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-# Re-exported: the curate section lives beside the data code (`draftflow.data.config`).
-from draftflow.data.config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
+# Re-exported: the curate section has its own module (this one is at its size limit). Not inside `draftflow.data`,
+# whose modules import this one: a package on both sides of an import is a two-way tie.
+from draftflow.curate_config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
 from draftflow.errors import ConfigError
 from draftflow.evaluation.config import EvaluateConfig
 from draftflow.fields import BoolOrFraction, Device, Section
