@@ -107,8 +107,7 @@ def serve_command(target: str, export_dir: str, method: str, num_speculative_tok
     return head + (f" --dtype {shlex.quote(dtype)}" if dtype else "") + f" --speculative-config {shlex.quote(spec)}"
 
 
-def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None,
-                      dtype: str | None = None) -> str:
+def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None) -> str:
     """The `vllm serve` line of a local export folder (method and tokens read from its `config.json`).
 
     Args:
@@ -117,8 +116,7 @@ def serve_command_for(export_dir: str | Path, target: str, served_from: str | No
         served_from: where the folder is served from, if not where it is now (e.g. its store URL).
     """
     config = json.loads((Path(export_dir) / CONFIG_NAME).read_text())
-    return serve_command(target, served_from or str(Path(export_dir).resolve()), *speculative_settings(config),
-                         dtype=dtype)
+    return serve_command(target, served_from or str(Path(export_dir).resolve()), *speculative_settings(config))
 
 
 # ----------------------------------------------------------------------------- README

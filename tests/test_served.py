@@ -62,7 +62,7 @@ def test_measure_reports_ratios_lossless_flags_and_tau_per_category(monkeypatch)
     runs = {None: _result({1: 20.0, 8: 80.0}, {1: same, 8: same}),
             "dflash": _result({1: 30.0, 8: 60.0}, {1: same, 8: other}, [(4, 6), (2, 0)], tau=2.0),
             "ngram": _result({1: 21.0, 8: 84.0}, {1: same, 8: same}, [(0, 0), (1, 1)], tau=2.0)}
-    monkeypatch.setattr(served, "_serve", lambda job, export=None, spec=None: runs[(spec or {}).get("method")
+    monkeypatch.setattr(served, "serve_with_vllm", lambda job, export=None, spec=None: runs[(spec or {}).get("method")
                                                                                    or (export and "dflash")])
     job = ServeJob("t", [[0], [1]], 8, [2], None, "float32", (1, 8), ("chat", "code"))
     record, results = served.measure(job, {"dflash": ("export", None), "prompt_lookup": (None, {"method": "ngram"})},
@@ -82,7 +82,7 @@ def test_measure_reports_ratios_lossless_flags_and_tau_per_category(monkeypatch)
 def test_a_plain_run_that_produced_nothing_gives_no_ratio_rather_than_a_traceback(monkeypatch):
     job = ServeJob("t", [[0]], 8, [2], None, "float32", (1,), ("chat",))
     runs = iter([_result({1: 0.0}, {1: [[]]}), _result({1: 5.0}, {1: [[]]}, [(1, 1)], tau=2.0)])
-    monkeypatch.setattr(served, "_serve", lambda *a, **k: next(runs))
+    monkeypatch.setattr(served, "serve_with_vllm", lambda *a, **k: next(runs))
     record, _ = served.measure(job, {"dflash": ("e", None)}, greedy=[[]])
     assert record["methods"]["dflash"]["speedup"] == {"1": None}
     assert "n/a" in "\n".join(served.render(record, {}))

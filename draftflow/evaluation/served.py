@@ -20,15 +20,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftflow.vllm_serve import ServeJob
+from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
 log = logging.getLogger(__name__)
-
-
-def _serve(job: ServeJob, export: Path | None = None, spec: dict[str, Any] | None = None):
-    from draftflow.vllm_serve import serve_with_vllm
-
-    return serve_with_vllm(job, export, spec)
 
 
 def per_category(categories: list[str], per_prompt: list[tuple[int, int]]) -> dict[str, float | None]:
@@ -66,7 +60,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
         (the `served` record of report.json: batches, plain tokens/s, per method `_record`;
          name -> `ServedResult` of each method, for the caller's lossless and τ checks).
     """
-    plain = _serve(job)
+    plain = serve_with_vllm(job)
     first = job.batches[0]
     same = sum(a == b for a, b in zip(plain.tokens_by_batch[first], greedy))
     out: dict[str, Any] = {
@@ -82,7 +76,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
     }
     runs = {}
     for name, (export, spec) in methods.items():
-        runs[name] = _serve(job, export, spec)
+        runs[name] = serve_with_vllm(job, export, spec)
         out["methods"][name] = _record(job, runs[name], plain)
         log.info("served %s: speedup %s", name, out["methods"][name]["speedup"])
     return out, runs
