@@ -98,7 +98,7 @@ def _package_file(package: str, name: str) -> Path:
     return file
 
 
-def stored_dtype(dtype: str) -> str:
+def conversion_dtype(dtype: str) -> str:
     """The dtype a conversion saves: float32 for auto (vLLM's CPU backend runs it fastest), else `dtype`."""
     return "float32" if dtype == "auto" else dtype
 
@@ -143,7 +143,7 @@ def convert_gguf(file: Path, dtype: str = "auto", cache_dir: Path | None = None,
         ConfigError: the gguf extra is missing, the file is corrupt, or transformers cannot convert it.
     """
     cache = Path(cache_dir or default_cache_dir())
-    sha, saved = file_sha256(file, cache), stored_dtype(dtype)
+    sha, saved = file_sha256(file, cache), conversion_dtype(dtype)
     out = cache / f"gguf-{sha[:16]}-{saved}"
     if (out / ".complete").is_file():
         return out
