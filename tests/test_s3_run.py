@@ -22,7 +22,7 @@ SECRET = "dfSecret+Fake/9b1e6c27a4f84d0f8e3a5c2b7d9e1f4a"
 BUCKET = "draftflow-s3run"
 ROOT = f"s3://{BUCKET}/runs/tiny"
 STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
-# What a run with a remote root may keep on local disk (see README "Runs on S3"): the built target,
+# What a run with a remote root may keep on local disk (see docs/operations.md "Runs on S3"): the built target,
 # content-keyed copies of shards it read, train's work folder (checkpoints while training) and the
 # target folder's fingerprint, keyed by its files' sizes and mtimes.
 LOCAL_CACHES = {"store", "train-work", "fingerprints", "features"}  # features: byte ranges streamed by train
