@@ -18,7 +18,7 @@ from pydantic import Field, ValidationError, model_validator
 # whose modules import this one: a package on both sides of an import is a two-way tie.
 from draftflow.curate_config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
 from draftflow.errors import ConfigError
-from draftflow.evaluation.config import EvaluateConfig
+from draftflow.evaluate_config import EvaluateConfig
 from draftflow.fields import BoolOrFraction, Device, Section
 
 

@@ -27,7 +27,7 @@ from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
 from draftflow.errors import DraftflowError
 from draftflow.evalruns import GATE, REPORT, STAGE, Evaluation, eval_set_key, in_root, load, resolve
-from draftflow.evaluation.config import GateConfig
+from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
 from draftflow.store import Store
 

@@ -12,7 +12,7 @@ import pytest
 from draftflow.config import RunConfig, load_config
 from draftflow.contracts import Manifest, ShardResult, StageResult
 from draftflow.errors import ConfigError
-from draftflow.evaluation.config import GateConfig
+from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide
 from draftflow.gating import apply_gate, check_gate, marker_path, raise_if_failed
 from draftflow.stages.common import finalize, fingerprint

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from draftflow.errors import DraftflowError
-from draftflow.evaluation.config import GateConfig
+from draftflow.evaluate_config import GateConfig
 
 
 class GateError(DraftflowError):

@@ -1,7 +1,8 @@
 """The `evaluate` config section (and its `gate`): what the evaluation package measures and decides.
 
-Here rather than in `draftflow.config` because the section belongs to the evaluation package (and that
-module is at its size limit); `draftflow.config.RunConfig` holds it like every other section.
+Its own module because `draftflow.config` is at its size limit, and beside it rather than inside
+`draftflow.evaluation`, whose modules import `draftflow.config`: a package on both sides of an import is
+a two-way tie. `draftflow.config.RunConfig` holds it like every other section.
 """
 
 from __future__ import annotations
