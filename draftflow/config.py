@@ -162,6 +162,11 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     num_anchors: int = Field(512, ge=1)
+    sampled_softmax: int | None = Field(
+        None, ge=1, description="DFlash: score each block against the supervised tokens tokenize counted plus this "
+        "many others drawn uniformly (log-Q corrected) instead of the whole vocabulary; null = the whole (the paper)")
+    init_from_target: bool = Field(False, description="start the drafter's decoder layers from the target's last "
+                                   "ones (tensors of matching name and shape); measured: README 'A real target'")
     gamma: float | None = Field(None, gt=0.0, description="null = 7/5/4 for B=16/10/8")
     checkpoint_every: int = Field(100, ge=1)
     device: Device = "auto"

@@ -21,7 +21,7 @@ from draftflow.layers import FINAL
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain
-from draftflow.training.loop import train_drafter
+from draftflow.training.loop import Vocab, train_drafter
 from tests.conftest import MASK_ID, B
 
 TAPS = [1, 2, 3]
@@ -78,7 +78,8 @@ def trained(tmp_path_factory, target, samples):
     dflash_samples = [FeatureSample(s.sample_id, s.input_ids, s.loss_mask, s.hidden[:, :3]) for s in samples]
     return {
         "dflash": DFlashDrafter.load(_train(tmp_path_factory, target, dcfg, dflash_samples), target).eval(),
-        "eagle3": Eagle3Drafter.load(_train(tmp_path_factory, target, ecfg, samples, draft_vocab=vocab), target).eval(),
+        "eagle3": Eagle3Drafter.load(_train(tmp_path_factory, target, ecfg, samples, vocab=Vocab(vocab)),
+                                     target).eval(),
     }
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from draftflow.errors import ConfigError
@@ -215,6 +216,8 @@ class DFlashDrafter(SharedTargetDrafter):
         ctx_hidden: torch.Tensor,
         ctx_pos: torch.Tensor,
         attn_mask: torch.Tensor,
+        vocab: torch.Tensor | None = None,
+        vocab_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits for every block slot.
 
@@ -225,12 +228,16 @@ class DFlashDrafter(SharedTargetDrafter):
             ctx_pos: (B, C) absolute positions of the context features.
             attn_mask: (B, Q, C+Q) bool, keys = [context, block slots]; see
                 `block_attention_mask`.
+            vocab, vocab_bias: score only these LM-head rows (`batches.sampled_vocab`); None = all.
 
         Returns:
-            (B, Q, V) logits from the target's LM head.
+            (B, Q, V) logits from the target's LM head; with `vocab` (K,) token ids, (B, Q, K) logits of
+            those rows only, plus `vocab_bias` (training's sampled softmax: the head is most of a CPU step).
         """
-        h = self.forward_hidden(block_ids, block_pos, ctx_hidden, ctx_pos, attn_mask)
-        return self.lm_head(h.to(self.lm_head.weight.dtype))
+        h = self.forward_hidden(block_ids, block_pos, ctx_hidden, ctx_pos, attn_mask).to(self.lm_head.weight.dtype)
+        if vocab is None:
+            return self.lm_head(h)
+        return F.linear(h, self.lm_head.weight[vocab]) + vocab_bias.to(h.dtype)
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> DFlashDrafter:

@@ -225,6 +225,7 @@ class Eagle3Drafter(SharedTargetDrafter):
     """
 
     shared_prefixes = SHARED_PREFIXES
+    decoder_prefix = "midlayer"
 
     def __init__(self, cfg: Eagle3Config, target_model: nn.Module, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from draftflow.errors import StoreError
+from draftflow.errors import ConfigError, StoreError
 from draftflow.store import write_local_atomic
 
 WEIGHTS_NAME = "model.safetensors"
@@ -27,6 +27,12 @@ class SharedTargetDrafter(nn.Module):
     are never saved nor counted as trainable; the rest is written by `write_weights_and_config`."""
 
     shared_prefixes: tuple[str, ...] = ()
+    decoder_prefix: str = "layers"  # the drafter's decoder layers: a ModuleList, or one layer
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The drafter's own decoder layers, first to last (`decoder_prefix`)."""
+        found = getattr(self, self.decoder_prefix)
+        return list(found) if isinstance(found, nn.ModuleList) else [found]
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Every drafter weight and buffer except the shared target modules."""
@@ -42,6 +48,38 @@ class SharedTargetDrafter(nn.Module):
         """Write `model.safetensors` (`trainable_state_dict`) and `config.json` to a local dir."""
         tensors = {k: v.detach().cpu().contiguous() for k, v in self.trainable_state_dict().items()}
         write_weights_and_config(out_dir, tensors, self.config.to_dict())
+
+
+def init_from_target_layers(drafter: SharedTargetDrafter, target_model: nn.Module) -> list[str]:
+    """Copy the target's last decoder layers into the drafter's (`train.init_from_target`).
+
+    Drafter layer i of n takes target layer N-n+i; within a layer every tensor whose name and shape
+    match is copied (DFlash: all but the q/k norms a Llama target lacks; EAGLE-3: o_proj, the MLP
+    and the norms, its q/k/v read 2 x hidden). On SmolLM2-135M this took a 2-layer DFlash drafter
+    from 21% to 41% slot-1 accuracy at 600 steps on the same data (README, 2026-12-02).
+
+    Returns:
+        The copied tensor names, prefixed by the drafter's layer index ("0.mlp.up_proj.weight").
+    """
+    target_layers = list(_target_decoder(target_model).layers)
+    mine = drafter.decoder_layers()
+    copied: list[str] = []
+    with torch.no_grad():
+        for i, (layer, source) in enumerate(zip(mine, target_layers[-len(mine):], strict=True)):
+            theirs = source.state_dict()
+            for name, tensor in layer.state_dict().items():
+                if name in theirs and theirs[name].shape == tensor.shape:
+                    tensor.copy_(theirs[name].to(tensor.dtype))
+                    copied.append(f"{i}.{name}")
+    return copied
+
+
+def _target_decoder(target_model: nn.Module) -> nn.Module:
+    decoder = target_model.get_decoder() if hasattr(target_model, "get_decoder") else target_model.model
+    if not hasattr(decoder, "layers"):
+        raise ConfigError(f"train.init_from_target: {type(target_model).__name__} has no decoder layers to copy; "
+                          "set train.init_from_target=false")
+    return decoder
 
 
 def write_weights_and_config(out_dir: str | Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:

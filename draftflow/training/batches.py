@@ -37,9 +37,35 @@ class BlockBatch:
     ctx_pos: torch.Tensor  # (1, T)
     attn_mask: torch.Tensor  # (1, Q, T+Q) bool
     labels: torch.Tensor  # (1, Q) int64, IGNORE at slot 0 and unsupervised targets
+    vocab: torch.Tensor | None = None  # (K,) sorted token ids scored (train.sampled_softmax), else all
+    vocab_bias: torch.Tensor | None = None  # (K,) log-Q correction added to those logits
 
     def to(self, device: torch.device | str) -> BlockBatch:
-        return BlockBatch(**{k: v.to(device) for k, v in vars(self).items()})
+        return BlockBatch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
+
+
+def sampled_vocab(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int, negatives: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled-softmax step scores, and their log-Q correction.
+
+    Every id in `keep` (the supervised tokens tokenize counted) and in `labels` is scored exactly
+    (bias 0); `negatives` more are drawn uniformly without replacement from the rest of the
+    vocabulary, each biased by log(rest / negatives) so the sum over them estimates the rest's share
+    of the softmax's normaliser (Bengio & Senecal 2008; Jean et al. 2015, arXiv 1412.2007).
+
+    Returns:
+        (sorted ids (K,), bias (K,) float32).
+    """
+    exact = torch.cat([keep, labels[labels != IGNORE]]).unique()
+    rest = torch.ones(vocab_size, dtype=torch.bool)
+    rest[exact] = False
+    pool = rest.nonzero().squeeze(1)
+    drawn = pool[torch.randperm(pool.numel(), generator=generator)[: min(negatives, pool.numel())]]
+    ids, order = torch.cat([exact, drawn]).sort()
+    bias = torch.zeros(ids.numel())
+    if drawn.numel():
+        bias[exact.numel():] = math.log(pool.numel() / drawn.numel())
+    return ids, bias[order]
 
 
 def select_anchors(

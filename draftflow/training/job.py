@@ -116,6 +116,22 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
     return spec.config_from_target(model.config, cfg.drafter, inputs), vocab
 
 
+def loss_tokens(store: Store, cfg: RunConfig, features: FeatureSource) -> torch.Tensor | None:
+    """`train.sampled_softmax`: every token id tokenize counted as supervised (scored at every step), else None.
+
+    Raises:
+        ConfigError: the drafter kind scores a draft vocabulary of its own (EAGLE-3).
+    """
+    if not cfg.train.sampled_softmax:
+        return None
+    if drafter_spec(cfg.drafter.kind).draft_vocab:
+        raise ConfigError(f"train.sampled_softmax is for DFlash; drafter.kind={cfg.drafter.kind} already scores "
+                          "a draft vocabulary (drafter.draft_vocab_size): unset train.sampled_softmax")
+    from draftflow.data.schema import read_rows
+
+    return torch.tensor(sorted(r["token_id"] for r in read_rows(token_counts(store, features))), dtype=torch.int64)
+
+
 @dataclass
 class Trained:
     """What the stage needs from a finished training run."""
@@ -133,13 +149,14 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     The in-process path, and what each torchrun rank runs (`draftflow.training.launch`). With
     `mirror` (remote roots), every checkpoint is also copied there (`push_checkpoint`).
     """
-    from draftflow.training.loop import train_drafter
+    from draftflow.training.loop import Vocab, train_drafter
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
-    metrics = train_drafter(samples, model, dcfg, cfg.train, out, draft_vocab=vocab, on_checkpoint=push)
+    metrics = train_drafter(samples, model, dcfg, cfg.train, out, vocab=Vocab(vocab, loss_tokens(store, cfg, features)),
+                            on_checkpoint=push)
     return Trained(metrics, model.config, len(samples), tokens)
 
 

@@ -48,6 +48,7 @@ from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.models.weights import init_from_target_layers
 from draftflow.target import resolve_device
 from draftflow.training.batches import step_indices, total_steps, warmup_cosine
 from draftflow.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
@@ -169,6 +170,14 @@ def _run_meta(samples: list[FeatureSample], dcfg, tcfg: TrainConfig, draft_vocab
 # ----------------------------------------------------------------------------- the loop
 
 
+@dataclass(frozen=True)
+class Vocab:
+    """Vocabularies training takes from tokenize's token counts (chosen by `draftflow.training.job`)."""
+
+    draft: tuple[torch.Tensor, torch.Tensor] | None = None  # EAGLE-3: (d2t, t2d), its draft vocabulary
+    loss_tokens: torch.Tensor | None = None  # DFlash, train.sampled_softmax: the token ids always scored
+
+
 def _sample_ids(samples) -> list[str]:
     # An online source (draftflow.training.job.OnlineSamples) knows its ids without computing features.
     return list(samples.sample_ids) if hasattr(samples, "sample_ids") else [s.sample_id for s in samples]
@@ -181,8 +190,7 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 
 def train_drafter(
     samples: list[FeatureSample], target_model, dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig, out_dir: str,
-    resume: bool = True, draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None,
-    on_checkpoint: Callable[[Path], None] | None = None,
+    resume: bool = True, vocab: Vocab | None = None, on_checkpoint: Callable[[Path], None] | None = None,
 ) -> dict:
     """Train a DFlash or EAGLE-3 drafter (by `dcfg`'s type) on feature samples; checkpoint and resume in `out_dir`.
 
@@ -197,7 +205,8 @@ def train_drafter(
             (`model.safetensors`, `config.json`, loadable by the drafter class's `load`)
             and `metrics.json`.
         resume: continue from the newest checkpoint in `out_dir` when there is one.
-        draft_vocab: EAGLE-3 only: (d2t, t2d) from the tokenize stage.
+        vocab: the vocabularies chosen from tokenize's counts (`Vocab`): EAGLE-3's draft vocabulary,
+            DFlash's always-scored tokens under `train.sampled_softmax`.
         on_checkpoint: called on rank 0 with each complete checkpoint folder (e.g. to copy it
             to the run root, so a run on another machine resumes from it).
 
@@ -213,14 +222,23 @@ def train_drafter(
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
+    vocab = vocab or Vocab()
+    draft_vocab = vocab.draft
     spec = spec_for_architecture(dcfg.architecture)
-    drafter = spec.build(dcfg, target_model, draft_vocab).to(device)
+    drafter = spec.build(dcfg, target_model, draft_vocab)
+    if tcfg.init_from_target:  # before sharding; a resumed run then loads its checkpoint over it
+        copied = init_from_target_layers(drafter, target_model)
+        logger.info("drafter layers initialised from the target's last %d: %d tensors copied",
+                    len(drafter.decoder_layers()), len(copied))
+    drafter = drafter.to(device)
     drafter = prepare_model(drafter, tcfg, env, device)  # FSDP2 shards (train.parallel), bf16 autocast on CUDA
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     total = total_steps(len(samples), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
     objective = spec.objective(dcfg, tcfg)
+    if vocab.loss_tokens is not None:
+        objective.loss_tokens = vocab.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
     run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
                on_checkpoint)

@@ -27,6 +27,7 @@ from draftflow.training.batches import (
     anchor_generator,
     build_training_batch,
     make_eagle3_batch,
+    sampled_vocab,
 )
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
@@ -154,17 +155,26 @@ class DFlashObjective:
         self.gamma = tcfg.gamma or default_gamma(cfg.block_size)
         self.weights = slot_weights(cfg.block_size, self.gamma)
         self.n_slots = cfg.block_size - 1
+        # train.sampled_softmax: the supervised token ids always scored (set by the loop from tokenize's counts).
+        self.loss_tokens: torch.Tensor | None = None
 
     def batch(self, sample: FeatureSample, step: int, j: int) -> BlockBatch | None:
         gen = anchor_generator(self.tcfg.seed, step, j)
-        return build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
+        b = build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
+        if b is not None and self.tcfg.sampled_softmax and self.loss_tokens is not None:  # same generator: resumable
+            b.vocab, b.vocab_bias = sampled_vocab(b.labels, self.loss_tokens, self.cfg.vocab_size,
+                                                  self.tcfg.sampled_softmax, gen)
+        return b
 
     def weight(self, b: BlockBatch) -> float:
         return float((self.weights * (b.labels.view(-1, self.B) != IGNORE)).sum())
 
     def loss(self, drafter, b: BlockBatch) -> LossStats:
-        logits = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)
-        return dflash_loss(logits, b.labels, self.B, self.gamma)
+        logits = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask, b.vocab, b.vocab_bias)
+        labels = b.labels
+        if b.vocab is not None:  # label ids -> their column among the scored tokens (accuracy is within them)
+            labels = torch.where(labels == IGNORE, labels, torch.searchsorted(b.vocab, labels.clamp_min(0)))
+        return dflash_loss(logits, labels, self.B, self.gamma)
 
 
 class Eagle3Objective:
