@@ -2,6 +2,11 @@
 
 A checkpoint is written to a temporary folder and renamed into place, so a
 folder named `step_*` is always complete; the newest `KEEP_CHECKPOINTS` are kept.
+Its last file, `checksums.json`, holds every other file's size and sha256: resume
+(`resumable_checkpoint`) verifies them, so a checkpoint torn by a crash or a copy, or
+changed by one flipped bit, is never trained on. A bad one is renamed `corrupt_step_*`
+(kept for inspection, never read again) with one warning line, and the previous good one
+is used; when none is good the run stops in one line and the re-run trains from step 0.
 A checkpoint remembers the settings it was written with (`meta`) and refuses to
 resume a run with different ones. Knows nothing of the loss or the data.
 
@@ -15,7 +20,11 @@ resumes on 1 process, under DDP or on another number of ranks, and vice versa.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -29,12 +38,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from draftflow.errors import ConfigError
+from draftflow.errors import ConfigError, DraftflowError
 from draftflow.models.weights import write_weights_and_config
 from draftflow.training.distributed import DistEnv, is_fsdp
 
+log = logging.getLogger(__name__)
+
 CKPT_DIR = "checkpoints"
 KEEP_CHECKPOINTS = 2
+CHECKSUMS = "checksums.json"  # written last: a folder without it never finished
+CORRUPT_PREFIX = "corrupt_"
+
+
+class CheckpointError(DraftflowError):
+    """No checkpoint in the work folder passed its checksums (they were moved aside)."""
 # Full tensors, gathered to CPU on rank 0 only; the frozen target modules are never saved.
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
 _SCATTER = StateDictOptions(full_state_dict=True, strict=False)
@@ -94,11 +111,81 @@ def save_checkpoint(out_dir: str | Path, drafter, opt, sched, state: dict, meta:
     blob = {"optimizer": optim, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "loop": state}
     torch.save(blob, tmp / "state.pt")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    _write_checksums(tmp)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # the folder appears complete or not at all
     for old in sorted(root.glob("step_*"))[:-KEEP_CHECKPOINTS]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_checksums(folder: Path) -> None:
+    """Flush every file to disk, then record its size and sha256 in `CHECKSUMS` (last, flushed too)."""
+    files = {}
+    for f in sorted(p for p in folder.iterdir() if p.is_file()):
+        with open(f, "rb+") as fh:
+            os.fsync(fh.fileno())
+        files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    out = folder / CHECKSUMS
+    with open(out, "w") as fh:
+        fh.write(json.dumps(files, indent=2, sort_keys=True))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint folder `path` must not be resumed from (sizes first, then sha256), or None."""
+    try:
+        listed = json.loads((path / CHECKSUMS).read_text())
+    except FileNotFoundError:
+        return f"no {CHECKSUMS}: its writing never finished"
+    except (OSError, ValueError) as exc:
+        return f"{CHECKSUMS} unreadable ({exc.__class__.__name__})"
+    if not isinstance(listed, dict) or not {"model.safetensors", "state.pt", "meta.json"} <= set(listed):
+        return f"{CHECKSUMS} does not list model.safetensors, state.pt and meta.json"
+    for name, want in sorted(listed.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want.get("bytes"):
+            return f"{name} has {f.stat().st_size} bytes, {want.get('bytes')} were written"
+    for name, want in sorted(listed.items()):
+        if _sha256(path / name) != want.get("sha256"):
+            return f"{name} differs from its checksum"
+    return None
+
+
+def resumable_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes its checksums; bad newer ones are moved aside with a warning.
+
+    Raises:
+        CheckpointError: checkpoints exist but none is good (all moved aside: the re-run starts at step 0).
+    """
+    bad: list[str] = []
+    while (ckpt := latest_checkpoint(out_dir)) is not None:
+        problem = checkpoint_problem(ckpt)
+        if problem is None:
+            return ckpt
+        aside = ckpt.with_name(CORRUPT_PREFIX + ckpt.name)
+        shutil.rmtree(aside, ignore_errors=True)
+        try:
+            ckpt.rename(aside)
+        except FileNotFoundError:  # another rank of this node moved it first
+            pass
+        log.warning("checkpoint %s is unusable (%s): moved to %s, trying the one before", ckpt, problem, aside.name)
+        bad.append(f"{ckpt.name} ({problem})")
+    if bad:
+        raise CheckpointError(f"no usable checkpoint in {Path(out_dir) / CKPT_DIR}: {'; '.join(bad)}; moved aside "
+                              f"as {CORRUPT_PREFIX}step_*; re-run to train from step 0")
+    return None
 
 
 def load_checkpoint(path: Path, drafter, opt, sched, meta: dict, device: torch.device) -> dict:
@@ -116,9 +203,13 @@ def load_checkpoint(path: Path, drafter, opt, sched, meta: dict, device: torch.d
             f"checkpoint {path} was written with different settings ({diff}); "
             "delete that checkpoints folder or train into a new output folder"
         )
-    weights = load_file(str(path / "model.safetensors"), device=str(device))
+    try:  # checksums passed, so this fails only on a file written wrong in the first place
+        weights = load_file(str(path / "model.safetensors"), device=str(device))
+        blob = torch.load(path / "state.pt", map_location=device, weights_only=True)
+    except (OSError, RuntimeError, ValueError, pickle.UnpicklingError) as exc:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({exc.__class__.__name__}: {str(exc)[:120]}); "
+                              "delete it and re-run to resume from the one before") from None
     set_model_state_dict(drafter, weights, options=_SCATTER)
-    blob = torch.load(path / "state.pt", map_location=device, weights_only=True)
     set_optimizer_state_dict(drafter, opt, blob["optimizer"], options=_SCATTER)
     sched.load_state_dict(blob["scheduler"])
     torch.set_rng_state(blob["torch_rng"].cpu())

@@ -51,7 +51,7 @@ from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.models.weights import init_from_target_layers
 from draftflow.target import resolve_device
 from draftflow.training.batches import step_indices, total_steps, warmup_cosine
-from draftflow.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, save_drafter
+from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
 from draftflow.training.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -243,7 +243,7 @@ def train_drafter(
     run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
                on_checkpoint)
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
-    ckpt = latest_checkpoint(out_dir) if resume else None
+    ckpt = resumable_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt, drafter, opt, sched, run.meta, device)
         logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
