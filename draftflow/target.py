@@ -312,6 +312,31 @@ def release_targets() -> None:
         torch.cuda.empty_cache()
 
 
+def check_loading_info(path: str, info: dict) -> None:
+    """Refuse a target whose checkpoint lacks weights its config asks for, or holds ones it does not.
+
+    transformers initialises missing weights at random and only logs it: a target with a
+    `config.json` of more layers than its safetensors hold would regenerate, extract, train and
+    evaluate on noise, exit 0. Here that is one line naming the tensors.
+
+    Raises:
+        ConfigError: missing, unexpected or mismatched tensors (at most 3 names of each shown).
+    """
+    def names(key: str) -> list[str]:
+        return sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+
+    parts = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "of another shape")):
+        found = names(key)
+        if found:
+            more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+            parts.append(f"{len(found)} {what} ({', '.join(found[:3])}{more})")
+    if parts:
+        raise ConfigError(f"target {path}: its weights do not match its config.json: {'; '.join(parts)}; fix the "
+                          "checkpoint or config.json (draftflow never runs a target with randomly initialised weights)")
+
+
 @functools.lru_cache(maxsize=2)
 def _load_target(path: str, dtype: str, device: str):
     import torch
@@ -324,7 +349,16 @@ def _load_target(path: str, dtype: str, device: str):
         "float16": torch.float16,
     }[dtype]
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+    try:
+        # Mismatched shapes reported (not raised) so `check_loading_info` names them with the rest.
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"target {path}: its weights do not load into the model its config.json describes "
+                          f"({first}); fix the checkpoint or config.json") from None
+    check_loading_info(path, info)
+    model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer

@@ -59,3 +59,60 @@ def test_a_model_folder_is_hashed_once_per_version_of_its_files(tmp_path, monkey
     assert target_mod.folder_fingerprint(model) == first  # answered from the cache, not re-read
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # a new version of the file
     assert target_mod.folder_fingerprint(model) != first
+
+
+def _copy_target(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_config_with_more_layers_than_the_weights_is_one_line(tmp_path, tiny_target):
+    """transformers would initialise layer 8 at random and go on; draftflow names the missing tensors."""
+    import json
+
+    import pytest
+
+    from draftflow.errors import ConfigError
+
+    folder = _copy_target(tiny_target.path, tmp_path / "t")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["num_hidden_layers"] += 1
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"] + cfg["layer_types"][-1:]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as err:
+        load_target(str(folder), "float32", "cpu")
+    msg = str(err.value)
+    assert "\n" not in msg and "missing (model.layers.8." in msg and "and " in msg and "more" in msg
+
+
+def test_weights_the_config_does_not_name_are_one_line(tmp_path, tiny_target):
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from draftflow.errors import ConfigError
+
+    folder = _copy_target(tiny_target.path, tmp_path / "t")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.99.mlp.up_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"1 unexpected \(model\.layers\.99\.mlp\.up_proj\.weight\)"):
+        load_target(str(folder), "float32", "cpu")
+
+
+def test_a_tensor_of_another_shape_is_one_line(tmp_path, tiny_target):
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from draftflow.errors import ConfigError
+
+    folder = _copy_target(tiny_target.path, tmp_path / "t")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError) as err:
+        load_target(str(folder), "float32", "cpu")
+    assert "\n" not in str(err.value) and "up_proj" in str(err.value)
