@@ -324,10 +324,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         origin = str(path)
         data = _read_yaml(Path(path), ())
+    keys = {}
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
-    return validate_config(data, origin)
+        keys[key] = text
+    return validate_config(data, origin, keys)
 
 
 def _read_yaml(p: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
@@ -338,9 +340,12 @@ def _read_yaml(p: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if p.resolve() in chain:
         raise ConfigError(f"config file {p} is its own base (through {' -> '.join(map(str, chain))}); break the loop")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); save it as UTF-8") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {exc}".splitlines()[0]) from None
+        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a mapping at the top level")
     _resolve_source_paths(data, p.parent)
@@ -352,6 +357,15 @@ def _read_yaml(p: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     return _merged(_read_yaml(p.parent / base, (*chain, p.resolve())), data)
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """'<problem> at line L, column C' (1-based, where the parser stopped), else the error's first line."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return problem
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+
+
 def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
@@ -360,12 +374,15 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def validate_config(data: dict[str, Any], origin: str) -> RunConfig:
-    """A `RunConfig` from plain data; a bad key or value is a one-line `ConfigError` naming `origin`."""
+def validate_config(data: dict[str, Any], origin: str, overrides: dict[str, str] | None = None) -> RunConfig:
+    """A `RunConfig` from plain data; a bad key or value is a one-line `ConfigError` naming where it came
+    from: `origin` (the file), or the `--set` that wrote it (`overrides`: dotted key -> the --set text)."""
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, origin)) from None
+        loc = ".".join(str(p) for p in err.errors()[0]["loc"])
+        by = next((t for k, t in (overrides or {}).items() if loc == k or loc.startswith(k + ".")), None)
+        raise ConfigError(_format_validation_error(err, f"--set {by}" if by else origin)) from None
 
 
 def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
