@@ -125,7 +125,15 @@ def older_results(store: Store, cfg: RunConfig, stage: str, fp: str | None) -> l
         other = path.rstrip("/").split("/")[-2]
         if other == fp:
             continue
-        m = store.read_json(store.stage_path(stage, other, MANIFEST))
+        try:
+            m = store.read_json(store.stage_path(stage, other, MANIFEST))
+        except (OSError, ValueError):
+            m = None
+        if not isinstance(m, dict):  # torn by a crash or edited: never reused
+            found.append({"fingerprint": other, "path": store.url(store.stage_path(stage, other)),
+                          "why": ["its manifest is unreadable (torn or edited); the stage runs again"],
+                          "code_version": None})
+            continue
         why = [] if m.get("code_version") == code_version(stage) else ["code"]
         for name in STAGE_SECTIONS[stage]:
             now, then = cfg.section(name), m.get("config", {}).get(name)
@@ -133,8 +141,8 @@ def older_results(store: Store, cfg: RunConfig, stage: str, fp: str | None) -> l
                 why += [f"{name}.{k}" for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
             elif now != then:
                 why.append(name)
-        if fp is not None and not why:
-            why.append("inputs")
+        if not why:  # same code and config: the upstream results differ, or are not known yet
+            why.append("inputs" if fp is not None else "inputs unknown until the stages before it are complete")
         found.append({"fingerprint": other, "path": store.url(store.stage_path(stage, other)), "why": why,
                       "code_version": m.get("code_version")})
     return sorted(found, key=lambda r: str(r["code_version"]), reverse=True)

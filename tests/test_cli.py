@@ -158,6 +158,26 @@ def test_status_says_why_an_older_result_is_not_reused(tmp_path):
     assert older_results(store, now, "train", "aaaa")[0]["fingerprint"] == "bbbb"  # its own result is not older
 
 
+def test_status_names_a_torn_manifest_and_an_unknown_upstream(tmp_path):
+    """Every older result shown by `status` has a reason: never "differs in: " and nothing after it."""
+    from draftflow.config import STAGE_SECTIONS
+    from draftflow.runinfo import older_results
+    from draftflow.store import MANIFEST, Store, code_version
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "run")
+    store = Store(cfg.root)
+    store.write_json(store.stage_path("train", "aaaa", MANIFEST), {
+        "code_version": code_version("train"), "config": {n: cfg.section(n) for n in STAGE_SECTIONS["train"]}})
+    torn = tmp_path / "run" / "train" / "torn" / MANIFEST
+    torn.parent.mkdir(parents=True)
+    torn.write_bytes(b'{"code_version": "0.1')
+    found = {o["fingerprint"]: o["why"] for o in older_results(store, cfg, "train", None)}
+    assert found["torn"] == ["its manifest is unreadable (torn or edited); the stage runs again"]
+    assert found["aaaa"] == ["inputs unknown until the stages before it are complete"]
+    assert all(found.values())
+
+
 def test_a_run_folder_from_another_version_is_one_line(tmp_path):
     import json
 
