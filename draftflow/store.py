@@ -197,8 +197,8 @@ class Store:
             return None
         if manifest is None:
             return None
-        try:
-            for shard in manifest.shards + manifest.rejected:
+        try:  # shards, and the files a stage lists in `extra.files` (train: drafter, exports, metrics)
+            for shard in manifest.shards + manifest.rejected + listed_files(manifest):
                 self._check_shard(stage, fingerprint, shard)
         except StoreError as exc:
             log.warning("%s: %s; the stage will be recomputed", stage, exc)
@@ -225,6 +225,11 @@ class Store:
         if sha256_file(local) != shard.sha256:
             raise StoreError(f"shard {shard.name} of {stage} fails its checksum; delete it and re-run")
         return local
+
+
+def listed_files(manifest: Manifest) -> list[ShardEntry]:
+    """The entries of `manifest.extra["files"]` (files a stage wrote beside its shards, e.g. exports)."""
+    return [ShardEntry.model_validate(f) for f in (manifest.extra or {}).get("files", [])]
 
 
 def shard_entry(name: str, local_file: str, rows: int, tokens: int = 0, **extra: Any) -> ShardEntry:

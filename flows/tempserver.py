@@ -118,7 +118,21 @@ def _launch(env: dict[str, str]) -> tuple[int, subprocess.Popen]:
         "--lifespan",
         "on",
     ]
-    return port, subprocess.Popen(cmd, env=env)
+    # Its own session: a terminal's Ctrl-C reaches the run, which stops the server when it has finished
+    # with it (not before, as when both shared the terminal's process group). Linux: it also dies with
+    # the run if the run is SIGKILLed or OOM-killed (PR_SET_PDEATHSIG), so no server outlives its run.
+    return port, subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
+
+
+def die_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGTERM it when its parent dies (a no-op elsewhere)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def start() -> TemporaryServer | None:

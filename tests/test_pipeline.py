@@ -59,6 +59,39 @@ def test_second_run_reuses_every_stage_and_touches_nothing(uninterrupted):
     assert _files(root, STAGES) == before
 
 
+def test_a_root_copied_elsewhere_reuses_every_stage(uninterrupted, tmp_path):
+    """No absolute path enters a fingerprint (the export READMEs name the root as `<run root>`)."""
+    import shutil
+
+    from flows.pipeline import pipeline
+
+    root, first = uninterrupted
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(root, moved)
+    again = pipeline(tiny_config(moved))
+    assert [s["status"] for s in again["stages"]] == ["reused"] * 6
+    assert again["tau"] == first["tau"]
+    readme = next(moved.glob("train/*/export/vllm/README.md")).read_text()
+    assert str(root) not in readme and "<run root>/train/" in readme
+
+
+def test_an_edited_export_is_not_reused(uninterrupted, tmp_path):
+    """The manifest lists every export file's checksum: an edit after the run retrains (same drafter again)."""
+    import shutil
+
+    from flows.pipeline import pipeline
+
+    root, first = uninterrupted
+    copy = tmp_path / "edited" / "run"
+    shutil.copytree(root, copy)
+    config = next(copy.glob("train/*/export/vllm/config.json"))
+    config.write_text(config.read_text().replace('"block_size"', '"block_size" ', 1))
+    again = pipeline(tiny_config(copy))
+    assert [s["status"] for s in again["stages"]] == ["reused"] * 4 + ["ran", "reused"]
+    assert _checkpoint_sha(again) == _checkpoint_sha(first)
+    assert '"block_size" ' not in config.read_text()
+
+
 def test_status_of_a_finished_run_reads_manifests_only(uninterrupted):
     """`draftflow status <run folder>` lists every stage complete without importing torch,
     transformers or Prefect (it reads manifests; a fresh interpreter shows what it imported)."""

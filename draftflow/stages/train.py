@@ -28,7 +28,7 @@ from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export import TRAINED_ON_NAME, write_trained_on
-from draftflow.export_readme import portable_target_name, serve_command, speculative_settings
+from draftflow.export_readme import ROOT_PLACEHOLDER, portable_target_name, serve_command, speculative_settings
 from draftflow.feature_stream import open_features
 from draftflow.stages.common import finalize
 from draftflow.store import Store, default_cache_dir, shard_entry
@@ -76,7 +76,9 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     entries = [commit_file(store, fp, out, name, f"checkpoint/{name}") for name in CHECKPOINT_FILES]
     exports = {fmt: f"export/{fmt}" for fmt in EXPORT_FORMATS}  # relative to the stage folder, as every path here
     # Exports and metrics are listed under extra.files, not shards: evaluate loads every shard as the drafter.
-    served_from = {fmt: store.url(store.stage_path(STAGE, fp, rel)) for fmt, rel in exports.items()}
+    # Relative to the run's root: the READMEs (hashed into this manifest, so into evaluate's fingerprint) must
+    # not depend on where the root lives; the serve lines the CLI prints carry the absolute path.
+    served_from = {fmt: f"{ROOT_PLACEHOLDER}/{STAGE}/{fp}/{rel}" for fmt, rel in exports.items()}
     written = write_outputs(out, metrics, trained.target_config, portable_target_name(cfg.target.path, target.path),
                             cfg.drafter.kind, served_from, trained_on(cfg))
     files = [commit_file(store, fp, out, f, f).to_json() for f in written]

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from draftflow import progress
+from draftflow import interrupt, progress
 from draftflow.config import TrainConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
@@ -263,9 +263,18 @@ def _lengths(samples) -> list[int] | None:
 
 
 def _run_steps(run: _Run, state: dict) -> None:
+    with interrupt.stoppable():
+        _steps(run, state)
+
+
+def _steps(run: _Run, state: dict) -> None:
+    """Train until `run.total`; on a stop request (SIGTERM/SIGINT in the CLI) checkpoint, then `Interrupted`."""
     log_every = max(1, run.total // 20)
     run.drafter.train()
     while state["step"] < run.total:
+        if interrupt.requested() and state["step"] % run.tcfg.checkpoint_every:  # the step just done is kept
+            _checkpoint(run, state)
+        interrupt.check(f"train step {state['step']} of {run.total} (checkpoint saved)")
         idx = step_indices(state["step"], len(run.samples), run.tcfg, run.lengths)
         mine = run.env.share(list(enumerate(idx)))  # (place in the global batch, sample index)
         seqs = list(zip([j for j, _ in mine], _take(run.samples, [i for _, i in mine]), strict=True))
@@ -282,10 +291,15 @@ def _run_steps(run: _Run, state: dict) -> None:
             lr = run.sched.get_last_lr()[0]
             logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
         due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
-        if due:  # every rank: FSDP gathers the shards; rank 0 writes
-            folder = save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
-            if folder is not None and run.on_checkpoint is not None:
-                run.on_checkpoint(folder)
+        if due:
+            _checkpoint(run, state)
+
+
+def _checkpoint(run: _Run, state: dict) -> None:
+    """Every rank calls it (FSDP gathers the shards); rank 0 writes, then `on_checkpoint` (the store's copy)."""
+    folder = save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
+    if folder is not None and run.on_checkpoint is not None:
+        run.on_checkpoint(folder)
 
 
 def _fmt(loss: float | None) -> str:

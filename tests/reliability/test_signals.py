@@ -1,0 +1,145 @@
+"""SIGTERM, Ctrl-C and SIGKILL of `draftflow run` during training, with Prefect's temporary server (no
+PREFECT_API_URL): the run stops within a bounded time (STOP_S, generous for a loaded CI machine; seconds
+when idle) in one line, leaves no process and no lease behind, and the re-run resumes to an uninterrupted
+run's result. Events, not sleeps, decide when a signal is sent: the 2nd training checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.reliability.procs import cli_args, code_dir, manifests, run_to_end, snapshot_code
+
+pytestmark = pytest.mark.reliability
+
+STEPS = "train.max_steps=200"  # long enough that the signal lands while training
+STOP_S = 60  # SIGTERM/SIGINT to exit, bound (train stops at its next step; the grace for it is 30 s)
+LOCK = ".draftflow-lock.json"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The CLI with its own temporary Prefect server (the case that used to outlive the run)."""
+    code = snapshot_code(tmp_path_factory.mktemp("code"))
+    home = tmp_path_factory.mktemp("prefect-home")
+    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(env, tmp_path_factory):
+    """Manifests of an uninterrupted run of the settings the interrupted runs use, the root path replaced."""
+    root = tmp_path_factory.mktemp("whole") / "run"
+    run_to_end(env, str(root), root.parent / "run.log", STEPS)
+    return portable(manifests(root), root)
+
+
+def portable(found: dict[str, bytes], root: Path) -> dict[str, bytes]:
+    return {k: v.replace(str(root).encode(), b"<root>") for k, v in found.items()}
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc), zombies left out."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+def start_and_wait_for_training(env, root: Path, log: Path) -> tuple[subprocess.Popen, set[int]]:
+    """Start a run; return it (and what it has started) once its 2nd training checkpoint is on disk."""
+    cmd = [sys.executable, "-m", "flows.cli", *cli_args(str(root), STEPS)]
+    fh = open(log, "w")  # noqa: SIM115 - closed by the caller's wait
+    proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log_handle = fh
+    end = time.monotonic() + 900
+    while len(list(root.glob("train/*/work/checkpoints/step_*"))) < 2:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before training checkpointed twice:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > end:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no 2nd training checkpoint in 900 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc, descendants(proc.pid)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
+    start = time.monotonic()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run did not exit within {timeout} s of the signal")
+    proc.log_handle.close()
+    return rc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["sigterm", "ctrl-c to the process group"])
+def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, env, uninterrupted, tmp_path):
+    root, log = tmp_path / "run", tmp_path / "run.log"
+    proc, started = start_and_wait_for_training(env, root, log)
+    assert started, "the run started no process (its temporary Prefect server at least)"
+    (os.killpg if to_group else os.kill)(proc.pid, sig)
+    rc, took = finish(proc, STOP_S)
+    out = log.read_text()
+    assert rc == 128 + sig, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"draftflow: interrupted ({signal.Signals(sig).name}) at train step "), out[-3000:]
+    assert "re-run the same command to resume" in last and "Traceback" not in out, out[-3000:]
+    assert not alive(started), f"left running after the run ended: {alive(started)}"
+    assert not (root / LOCK).exists()
+    step = int(last.split("at train step ")[1].split()[0])
+    assert any(root.glob(f"train/*/work/checkpoints/step_{step:08d}"))  # the step it stopped at is kept
+    run_to_end(env, str(root), tmp_path / "rerun.log", STEPS)
+    # The interrupted-then-resumed run ends where an uninterrupted run of the same settings does.
+    assert portable(manifests(root), root) == uninterrupted
+    print(f"{signal.Signals(sig).name}: exited {took:.1f} s after the signal, at train step {step}")
+
+
+def test_sigkill_of_the_run_leaves_no_process(env, tmp_path):
+    """The temporary server and every child die with a SIGKILLed (or OOM-killed) run; the lease is then
+    stale (its holder is gone) and the next run on this host takes it at once."""
+    root, log = tmp_path / "run", tmp_path / "run.log"
+    proc, started = start_and_wait_for_training(env, root, log)
+    os.kill(proc.pid, signal.SIGKILL)  # the leader only, as the OOM killer does
+    proc.wait()
+    proc.log_handle.close()
+    end = time.monotonic() + STOP_S
+    while alive(started) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not alive(started), f"outlived the SIGKILLed run: {alive(started)}"
+    run_to_end(env, str(root), tmp_path / "rerun.log", STEPS)
+    shutil.rmtree(root)
