@@ -198,7 +198,7 @@ class Store:
         if manifest is None:
             return None
         try:  # shards, and the files a stage lists in `extra.files` (train: drafter, exports, metrics)
-            for shard in manifest.shards + manifest.rejected + listed_files(manifest):
+            for shard in (*manifest.shards, *manifest.rejected, *listed_files(manifest)):
                 self._check_shard(stage, fingerprint, shard)
         except StoreError as exc:
             log.warning("%s: %s; the stage will be recomputed", stage, exc)

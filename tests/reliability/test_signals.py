@@ -7,7 +7,6 @@ run's result. Events, not sleeps, decide when a signal is sent: the 2nd training
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.procs import cli_args, code_dir, manifests, run_to_end, snapshot_code
+from tests.reliability.procs import cli_args, code_dir, run_to_end, snapshot_code
 
 pytestmark = pytest.mark.reliability
 
@@ -34,16 +33,6 @@ def env(tmp_path_factory):
     return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(env, tmp_path_factory):
-    """Manifests of an uninterrupted run of the settings the interrupted runs use, the root path replaced."""
-    root = tmp_path_factory.mktemp("whole") / "run"
-    run_to_end(env, str(root), root.parent / "run.log", STEPS)
-    return portable(manifests(root), root)
-
-
-def portable(found: dict[str, bytes], root: Path) -> dict[str, bytes]:
-    return {k: v.replace(str(root).encode(), b"<root>") for k, v in found.items()}
 
 
 def descendants(pid: int) -> set[int]:
@@ -108,7 +97,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
 
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
                          ids=["sigterm", "ctrl-c to the process group"])
-def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, env, uninterrupted, tmp_path):
+def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, env, tmp_path):
     root, log = tmp_path / "run", tmp_path / "run.log"
     proc, started = start_and_wait_for_training(env, root, log)
     assert started, "the run started no process (its temporary Prefect server at least)"
@@ -123,9 +112,11 @@ def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_gr
     assert not (root / LOCK).exists()
     step = int(last.split("at train step ")[1].split()[0])
     assert any(root.glob(f"train/*/work/checkpoints/step_{step:08d}"))  # the step it stopped at is kept
+    # The re-run resumes from that step (that a resumed run equals an uninterrupted one is
+    # tests/test_train.py's and test_kill_points.py's to show).
     run_to_end(env, str(root), tmp_path / "rerun.log", STEPS)
-    # The interrupted-then-resumed run ends where an uninterrupted run of the same settings does.
-    assert portable(manifests(root), root) == uninterrupted
+    assert f"resumed from {root}" in (tmp_path / "rerun.log").read_text() or step == 0
+    assert f"step_{step:08d} at step {step}" in (tmp_path / "rerun.log").read_text() or step == 0
     print(f"{signal.Signals(sig).name}: exited {took:.1f} s after the signal, at train step {step}")
 
 
@@ -141,5 +132,3 @@ def test_sigkill_of_the_run_leaves_no_process(env, tmp_path):
     while alive(started) and time.monotonic() < end:
         time.sleep(0.2)
     assert not alive(started), f"outlived the SIGKILLed run: {alive(started)}"
-    run_to_end(env, str(root), tmp_path / "rerun.log", STEPS)
-    shutil.rmtree(root)
