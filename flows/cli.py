@@ -40,6 +40,9 @@ def _prefect_settings() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+SIGNAL_CRASH = "was aborted by a"  # Prefect's crash message for a SIGTERM or SIGINT ("... termination signal.")
+
+
 class _UserErrorsWithoutTraceback(logging.Filter):
     """On the console, a DraftflowError (bad input the user must fix) is its one-line message.
 
@@ -49,6 +52,8 @@ class _UserErrorsWithoutTraceback(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, KeyboardInterrupt) or SIGNAL_CRASH in record.getMessage():
+            return False  # a run stopped by a signal ends in one line of its own (`_end_interrupted`)
         if isinstance(exc, DraftflowError):
             record.exc_info, record.exc_text = None, None
         return True

@@ -263,36 +263,55 @@ def _lengths(samples) -> list[int] | None:
 
 
 def _run_steps(run: _Run, state: dict) -> None:
+    """Train until `run.total`. A stop request (SIGTERM/SIGINT in the CLI) stops it between two steps with a
+    checkpoint of the last one: `Interrupted` in a worker thread, the signal's own exception in the main one."""
     with interrupt.stoppable():
-        _steps(run, state)
+        try:
+            _steps(run, state)
+        except BaseException as exc:  # noqa: BLE001 - re-raised; only signals (not errors) get a checkpoint
+            if isinstance(exc, Exception) and not isinstance(exc, interrupt.Interrupted):
+                raise
+            _stop_here(run, state)
+            raise
+
+
+def _stop_here(run: _Run, state: dict) -> None:
+    """Between steps, stopped by a signal: keep the step just done (unless its checkpoint was just written)."""
+    # One process only: several ranks would each need the same signal at the same step (FSDP gathers).
+    if run.env.world_size == 1 and state["step"] % run.tcfg.checkpoint_every and state["step"] < run.total:
+        _checkpoint(run, state)
+    interrupt.stopped(f"train step {state['step']} of {run.total} (checkpoint saved)")
 
 
 def _steps(run: _Run, state: dict) -> None:
-    """Train until `run.total`; on a stop request (SIGTERM/SIGINT in the CLI) checkpoint, then `Interrupted`."""
     log_every = max(1, run.total // 20)
     run.drafter.train()
     while state["step"] < run.total:
-        if interrupt.requested() and state["step"] % run.tcfg.checkpoint_every:  # the step just done is kept
-            _checkpoint(run, state)
-        interrupt.check(f"train step {state['step']} of {run.total} (checkpoint saved)")
-        idx = step_indices(state["step"], len(run.samples), run.tcfg, run.lengths)
-        mine = run.env.share(list(enumerate(idx)))  # (place in the global batch, sample index)
-        seqs = list(zip([j for j, _ in mine], _take(run.samples, [i for _, i in mine]), strict=True))
-        if hasattr(run.samples, "prefetch") and state["step"] + 1 < run.total:  # read the next step meanwhile
-            ahead = step_indices(state["step"] + 1, len(run.samples), run.tcfg, run.lengths)
-            run.samples.prefetch([i for _, i in run.env.share(list(enumerate(ahead)))])
-        rec = _train_step(run, seqs, state["step"])
-        state["step"] += 1
-        state["history"].append(rec["loss"])
-        state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
-        state["skipped"] += rec["skipped"]
-        progress.report("train", state["step"], run.total, "steps")
-        if state["step"] % log_every == 0 or state["step"] == run.total:
-            lr = run.sched.get_last_lr()[0]
-            logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
-        due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
-        if due:
-            _checkpoint(run, state)
+        with interrupt.step_boundary():  # in the main thread a signal lands after this step, not inside it
+            _one_step(run, state, log_every)
+        if interrupt.requested():
+            raise interrupt.Interrupted(f"interrupted at train step {state['step']} of {run.total}")
+
+
+def _one_step(run: _Run, state: dict, log_every: int) -> None:
+    idx = step_indices(state["step"], len(run.samples), run.tcfg, run.lengths)
+    mine = run.env.share(list(enumerate(idx)))  # (place in the global batch, sample index)
+    seqs = list(zip([j for j, _ in mine], _take(run.samples, [i for _, i in mine]), strict=True))
+    if hasattr(run.samples, "prefetch") and state["step"] + 1 < run.total:  # read the next step meanwhile
+        ahead = step_indices(state["step"] + 1, len(run.samples), run.tcfg, run.lengths)
+        run.samples.prefetch([i for _, i in run.env.share(list(enumerate(ahead)))])
+    rec = _train_step(run, seqs, state["step"])
+    state["step"] += 1
+    state["history"].append(rec["loss"])
+    state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
+    state["skipped"] += rec["skipped"]
+    progress.report("train", state["step"], run.total, "steps")
+    if state["step"] % log_every == 0 or state["step"] == run.total:
+        lr = run.sched.get_last_lr()[0]
+        logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
+    due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
+    if due:
+        _checkpoint(run, state)
 
 
 def _checkpoint(run: _Run, state: dict) -> None:
