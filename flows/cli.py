@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 from draftflow.errors import DraftflowError
+from flows.signals import RunInterrupted, end_interrupted, interruptible
 
 STORAGE_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec")
 
@@ -53,7 +53,7 @@ class _UserErrorsWithoutTraceback(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, KeyboardInterrupt) or SIGNAL_CRASH in record.getMessage():
-            return False  # a run stopped by a signal ends in one line of its own (`_end_interrupted`)
+            return False  # a run stopped by a signal ends in one line of its own (`flows.signals.end_interrupted`)
         if isinstance(exc, DraftflowError):
             record.exc_info, record.exc_text = None, None
         return True
@@ -173,7 +173,7 @@ def cmd_run(args) -> int:
 
         _quiet_user_errors()
         with serving(server), terminal_progress():
-            summary = _interruptible(pipeline, cfg)
+            summary = interruptible(pipeline, cfg)
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
@@ -197,90 +197,6 @@ def cmd_run(args) -> int:
     print(f"report: {summary['report']}")
     print(f"wall time {time.time() - start:.1f} s")
     return 0
-
-
-class RunInterrupted(KeyboardInterrupt):
-    """SIGTERM or SIGINT reached `draftflow run`; Prefect marks its runs crashed and lets it through."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-STOP_GRACE_S = 30.0  # how long an interrupted run waits for training to write its checkpoint
-
-
-def _interruptible(fn, *args):
-    """Run `fn(*args)` with SIGTERM and SIGINT turned into `RunInterrupted` (a second signal exits at once).
-
-    On the first signal every stoppable loop is asked to stop (training checkpoints its step) and logging
-    goes quiet (the unwinding Prefect runs would print a traceback each); the wait for those loops is
-    bounded by `STOP_GRACE_S`. The caller's context managers then release the lease and stop the server.
-    """
-    import signal
-
-    from draftflow import interrupt
-
-    def on_signal(signum, frame):
-        if interrupt.requested():
-            os._exit(128 + signum)
-        interrupt.request()
-        logging.disable(logging.CRITICAL)
-        threading.excepthook = lambda hook_args: None
-        raise RunInterrupted(signum)
-
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return fn(*args)
-    except RunInterrupted:
-        interrupt.wait_stoppable(STOP_GRACE_S)
-        raise
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-
-
-def _end_interrupted(exc: RunInterrupted) -> None:
-    """One line, every child process ended, then exit now (threads still unwinding are not waited for)."""
-    import signal
-
-    from draftflow import interrupt
-
-    where = interrupt.stopped_at()
-    name = signal.Signals(exc.signum).name
-    print(f"draftflow: interrupted ({name}){f' at {where}' if where else ''}; finished stages and shards are kept: "
-          "re-run the same command to resume", file=sys.stderr)
-    _end_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + exc.signum)
-
-
-def _end_children(grace_s: float = 5.0) -> None:
-    """SIGTERM every child process of this one (vLLM engines, torchrun), SIGKILL those alive after `grace_s`."""
-    import signal
-
-    def children() -> list[int]:
-        found = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has exited already
-                found.append(int(stat.parent.name))
-        return found
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = children()
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline and children():
-            time.sleep(0.1)
 
 
 @contextmanager
@@ -441,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except RunInterrupted as exc:
-        _end_interrupted(exc)
+        end_interrupted(exc)
     except DraftflowError as exc:
         print(f"draftflow: error: {exc}", file=sys.stderr)
         return 2

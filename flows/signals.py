@@ -1,0 +1,104 @@
+"""`draftflow run` under SIGTERM and SIGINT: stop within seconds, in one line, leaving nothing running.
+
+`interruptible` turns the signals into `RunInterrupted` while the pipeline runs (Prefect swaps in its own
+SIGTERM handler during flow runs; it raises `TerminationSignal` and, once its runs are marked crashed,
+re-sends the signal to this handler). Training takes the signal between two steps and checkpoints
+(`draftflow.interrupt`). The CLI's context managers then release the root's lease and stop the temporary
+Prefect server, and `end_interrupted` prints the one line, ends every child process and exits at once
+(threads still unwinding are not waited for).
+
+What it does not know: stages or stores; which loops can stop cleanly (`draftflow.interrupt` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT reached `draftflow run`; Prefect marks its runs crashed and lets it through."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_GRACE_S = 30.0  # how long an interrupted run waits for training to write its checkpoint
+
+
+def interruptible(fn, *args):
+    """Run `fn(*args)` with SIGTERM and SIGINT turned into `RunInterrupted` (a second signal exits at once).
+
+    On the first signal every stoppable loop is asked to stop (training checkpoints its step) and logging
+    goes quiet (the unwinding Prefect runs would print a traceback each); the wait for those loops is
+    bounded by `STOP_GRACE_S`. The caller's context managers then release the lease and stop the server.
+    """
+    import signal
+
+    from draftflow import interrupt
+
+    def on_signal(signum, frame):
+        if interrupt.requested():
+            os._exit(128 + signum)
+        interrupt.request()
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda hook_args: None
+        raise RunInterrupted(signum)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return fn(*args)
+    except RunInterrupted:
+        interrupt.wait_stoppable(STOP_GRACE_S)
+        raise
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def end_interrupted(exc: RunInterrupted) -> None:
+    """One line, every child process ended, then exit now (threads still unwinding are not waited for)."""
+    import signal
+
+    from draftflow import interrupt
+
+    where = interrupt.stopped_at()
+    name = signal.Signals(exc.signum).name
+    print(f"draftflow: interrupted ({name}){f' at {where}' if where else ''}; finished stages and shards are kept: "
+          "re-run the same command to resume", file=sys.stderr)
+    _end_children()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(128 + exc.signum)
+
+
+def _end_children(grace_s: float = 5.0) -> None:
+    """SIGTERM every child process of this one (vLLM engines, torchrun), SIGKILL those alive after `grace_s`."""
+    import signal
+
+    def children() -> list[int]:
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has exited already
+                found.append(int(stat.parent.name))
+        return found
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        pids = children()
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline and children():
+            time.sleep(0.1)
