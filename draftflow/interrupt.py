@@ -39,15 +39,9 @@ def requested() -> bool:
     return _STOP.is_set()
 
 
-def reset() -> None:
-    """Forget a stop request (a process that runs again after an interrupted run: tests)."""
-    _STOP.clear()
-    _where.clear()
-
-
 @contextmanager
 def stoppable() -> Iterator[None]:
-    """A block that calls `check` between its steps; `wait_stoppable` waits for it to end."""
+    """A loop that stops between its steps once a stop is `requested()`; `wait_stoppable` waits for it to end."""
     global _active
     with _IDLE:
         _active += 1
