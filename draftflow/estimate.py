@@ -154,7 +154,24 @@ def extract_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, 
 
 def train_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:
     passes = _passes(cfg, up["rows"])
-    return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes}
+    return {"rows": up["rows"], "tokens": int(up["tokens"] * passes), "passes": passes,
+            "bytes": train_bytes(cfg, ctx)}
+
+
+KEPT_CHECKPOINTS = 2  # training.checkpoint.KEEP_CHECKPOINTS (not imported: plan stays free of torch)
+
+
+def train_bytes(cfg: RunConfig, ctx: dict) -> int:
+    """What train writes at its peak: its checkpoints (float32 weights + Adam's two moments; the kept ones, one
+    being written and the final one) and two float32 exports, for a drafter of `drafter.num_layers` target-
+    shaped layers plus the fc that fuses the taps (the frozen embedding and head are not saved)."""
+    return int(drafter_params(cfg.drafter.num_layers, ctx) * 4 * (3 * (KEPT_CHECKPOINTS + 2) + 2))
+
+
+def drafter_params(num_layers: int, ctx: dict) -> int:
+    """Trainable parameters of a drafter of `num_layers` target-shaped layers and a taps x hidden fc (norms,
+    a fraction of a percent, left out)."""
+    return num_layers * ctx["layer_params"] + ctx["taps"] * ctx["hidden"] ** 2
 
 
 def evaluate_size(cfg: RunConfig, up: dict, sizes: dict, ctx: dict) -> dict[str, Any]:

@@ -4,8 +4,11 @@ The CLI's handler calls `request()` and unwinds the main thread. A loop that can
 it writes a checkpoint first) runs inside `stoppable()`. In a worker thread it raises `Interrupted`
 between steps once a stop is `requested()`, and the CLI waits (bounded) in `wait_stoppable` for it.
 In the main thread (where Prefect runs a task it calls directly) the signal's exception would land
-mid-step, so each step runs inside `step_boundary()`: SIGTERM and SIGINT are held (`pthread_sigmask`)
-until the step is done and delivered between steps, where the loop can checkpoint. `stopped_at` tells
+mid-step, so each step runs inside `step_boundary()`: the Python handlers of SIGTERM and SIGINT are
+swapped for one that only notes the signal, and the noted signal is handed to the real handler when the
+step is done, where the loop can checkpoint. (Masking the signals with `pthread_sigmask` is not enough:
+the kernel then delivers them to another thread, and Python still runs the handler in the main thread,
+mid-step: a checkpoint could record the weights of step N+1 as step N.) `stopped_at` tells
 the CLI where a loop stopped, for its one line.
 
 What it does not know: who handles the signals (the CLI; Prefect during flow runs), or processes.
@@ -59,20 +62,44 @@ def wait_stoppable(timeout: float) -> bool:
         return _IDLE.wait_for(lambda: _active == 0, timeout)
 
 
-HELD = {signal.SIGTERM, signal.SIGINT}
+HELD = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextmanager
 def step_boundary() -> Iterator[None]:
-    """Hold SIGTERM and SIGINT for the block when it runs in the main thread (delivered when it ends)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """In the main thread, note SIGTERM/SIGINT during the block and hand them to their handlers when it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # a worker thread's loop checks `requested()` between steps instead
+        return
+    if any(signal.getsignal(sig) is None for sig in HELD):  # a handler not set from Python: cannot restore it
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    noted: list[tuple[int, object]] = []
+
+    def note(signum: int, frame) -> None:
+        if noted:  # a second signal during the step: the real handler now (the CLI's exits at once)
+            noted.clear()
+            request()
+            _deliver(signum, frame, handlers[signum])
+            return
+        noted.append((signum, frame))
+
+    handlers = {sig: signal.signal(sig, note) for sig in HELD}
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)  # a pending signal's handler runs right here
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        if noted:
+            _deliver(*noted[0], handlers[noted[0][0]])
+
+
+def _deliver(signum: int, frame, handler) -> None:
+    """Run `handler` (as Python would have) for a signal noted during a step."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:  # the default action (terminate); SIG_IGN does nothing
+        signal.raise_signal(signum)
 
 
 def stopped(where: str) -> None:

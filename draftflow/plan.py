@@ -272,6 +272,22 @@ def plan(cfg: RunConfig, target: TargetRef) -> list[dict[str, Any]]:
     return states
 
 
+def space_to_finish(cfg: RunConfig, target: TargetRef) -> str:
+    """For a run stopped by a full device: what the stages not yet complete need (the plan's estimate) and
+    what is free now, as a clause of its one-line error ("" when neither is known)."""
+    try:
+        todo = [s for s in plan(cfg, target) if s["state"] != "complete"]
+        needed = sum(s["bytes"] or 0 for s in todo)
+        avail = free_space(cfg.root)
+    except Exception:  # noqa: BLE001 - an estimate on a full device must not hide the error it explains
+        return ""
+    if not needed:
+        return ""
+    names = ", ".join(s["stage"] for s in todo)
+    now = "" if avail is None else f", {human_bytes(avail)} free now"
+    return f"; the plan estimates {human_bytes(needed)} for the stages still to run ({names}){now}"
+
+
 def environment(cfg: RunConfig) -> dict[str, Any]:
     """Where the run writes, the free space there, the devices it plans for, and the model's assumptions."""
     devices = {"target": cfg.target.device, "train": cfg.train.device, "evaluate": cfg.evaluate.device}

@@ -16,6 +16,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -68,8 +70,45 @@ def write_local_atomic(path: str | Path, write) -> None:
     """`write(tmp)` to a temporary name beside `path`, then rename over it: whole or absent."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
+    try:
+        with writer_errors(tmp):
+            write(tmp)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends (safetensors)
+NEARLY_FULL_BYTES = 1 << 20
+
+
+@contextmanager
+def writer_errors(path: str | Path) -> Iterator[None]:
+    """Turn a writer library's own error for a refused write into the OSError it is, naming `path`.
+
+    safetensors says "I/O error: No space left on device (os error 28)" in a SafetensorError; torch.save
+    says "PytorchStreamWriter failed writing file" in a RuntimeError, with no cause (then: a device with
+    under NEARLY_FULL_BYTES free is taken as full). Other errors pass through unchanged.
+    """
+    try:
+        yield
+    except OSError:
+        raise
+    except Exception as exc:
+        found = _RUST_OS_ERROR.search(str(exc))
+        code = int(found.group(1)) if found else errno.ENOSPC if _nearly_full(Path(path)) else None
+        if code is None:
+            raise
+        raise OSError(code, os.strerror(code), str(path)) from exc
+
+
+def _nearly_full(path: Path) -> bool:
+    near = next((p for p in (path, *path.parents) if p.exists()), None)
+    try:
+        return near is not None and shutil.disk_usage(near).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -276,7 +315,8 @@ def storage_cause(exc: BaseException) -> str | None:
     if isinstance(exc, OSError):
         return _ERRNO_CAUSES.get(exc.errno or 0) or ("permission" if isinstance(exc, PermissionError) else
                                                     "not_found" if isinstance(exc, FileNotFoundError) else None)
-    return None
+    found = _RUST_OS_ERROR.search(str(exc))  # a writer's own exception around an OS error (safetensors)
+    return _ERRNO_CAUSES.get(int(found.group(1))) if found else None
 
 
 _HINTS = {

@@ -44,7 +44,8 @@ SIGNAL_CRASH = "was aborted by a"  # Prefect's crash message for a SIGTERM or SI
 
 
 class _UserErrorsWithoutTraceback(logging.Filter):
-    """On the console, a DraftflowError (bad input the user must fix) is its one-line message.
+    """On the console, a DraftflowError (bad input the user must fix) or a storage error the user must fix
+    (a full or read-only device, refused permissions or credentials) is its one-line message.
 
     Prefect logs every failed task and flow with its traceback; for user errors that
     buries the message under library frames. The UI's log handler keeps the traceback.
@@ -54,9 +55,17 @@ class _UserErrorsWithoutTraceback(logging.Filter):
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, KeyboardInterrupt) or SIGNAL_CRASH in record.getMessage():
             return False  # a run stopped by a signal ends in one line of its own (`flows.signals.end_interrupted`)
-        if isinstance(exc, DraftflowError):
+        if isinstance(exc, DraftflowError) or _user_storage_error(exc):
             record.exc_info, record.exc_text = None, None
         return True
+
+
+def _user_storage_error(exc: BaseException | None) -> bool:
+    if exc is None:
+        return False
+    from draftflow.store import USER_CAUSES, storage_cause
+
+    return storage_cause(exc) in USER_CAUSES
 
 
 def _quiet_user_errors() -> None:
@@ -160,7 +169,7 @@ def cmd_run(args) -> int:
     cfg = load_config(args.config, args.overrides)  # a config error answers before the stages are imported
     from draftflow.plan import preflight
 
-    preflight(cfg)
+    target = preflight(cfg)
     start = time.time()
     from draftflow.runlock import holding
 
@@ -173,7 +182,18 @@ def cmd_run(args) -> int:
 
         _quiet_user_errors()
         with serving(server), terminal_progress():
-            summary = interruptible(pipeline, cfg)
+            try:
+                summary = interruptible(pipeline, cfg)
+            except OSError as exc:  # the root refused: name it (a failed write() names no file), and for a
+                from draftflow.plan import space_to_finish  # full device what the rest of the run needs
+                from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
+
+                cause = storage_cause(exc)
+                if cause not in USER_CAUSES:
+                    raise
+                where = getattr(exc, "filename", None) or f"the run root {cfg.root}"
+                more = space_to_finish(cfg, target) if cause == "no_space" else ""
+                raise DraftflowError(storage_error_message(exc, where) + more) from None
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "

@@ -54,7 +54,7 @@ def test_online_mode_plans_no_feature_bytes_and_no_extract_time(tmp_path, tiny_t
 
 def test_measured_upstream_sizes_replace_the_estimates(tmp_path):
     cfg = tiny_config(tmp_path / "run", "train.max_steps=null", "train.epochs=3")
-    ctx = {"source_rows": 10_000, "prompt_tokens": 50.0, "taps": TAPS, "hidden": HIDDEN}
+    ctx = {"source_rows": 10_000, "prompt_tokens": 50.0, "taps": TAPS, "hidden": HIDDEN, "layer_params": 36864}
     manifests = {"curate": _manifest("curate", [], 7, 0), "tokenize": _tokenized(100, 40)}
     sizes = stage_sizes(cfg, manifests, ctx)
     assert sizes["tokenize"]["basis"] == "measured" and sizes["regenerate"]["basis"] == "estimated"
@@ -132,3 +132,19 @@ def test_cli_plan_prints_sizes_space_time_and_assumptions(tmp_path, tiny_target,
     extract = lines[4]
     assert "rows" in extract and "tokens" in extract and "MiB" in extract and "time" in extract
     assert f"free space at {tmp_path}/r:" in err and "estimated times assume:" in err and "TFLOP/s" in err
+
+
+def test_train_bytes_count_the_drafter_the_trainer_builds(target, dcfg):
+    """The plan's train size (its share of a full-device error) comes from the drafter's parameter count:
+    checked against a real drafter's trainable parameters."""
+    from draftflow.estimate import KEPT_CHECKPOINTS, drafter_params
+    from draftflow.models.dflash import DFlashDrafter
+    from draftflow.training.checkpoint import KEEP_CHECKPOINTS
+
+    tc = target.config
+    layer = tc.hidden_size * tc.head_dim * 2 * (tc.num_attention_heads + tc.num_key_value_heads) \
+        + 3 * tc.hidden_size * tc.intermediate_size  # as estimate.model_shape counts a target layer
+    ctx = {"layer_params": layer, "taps": 3, "hidden": tc.hidden_size}
+    trainable = sum(p.numel() for p in DFlashDrafter(dcfg, target).parameters() if p.requires_grad)
+    assert abs(drafter_params(dcfg.num_layers, ctx) - trainable) / trainable < 0.02
+    assert KEPT_CHECKPOINTS == KEEP_CHECKPOINTS

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.models.weights import write_weights_and_config
+from draftflow.store import writer_errors
 from draftflow.training.distributed import DistEnv, is_fsdp
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,17 @@ def save_checkpoint(out_dir: str | Path, drafter, opt, sched, state: dict, meta:
     tmp = root / f".tmp_{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file(weights, str(tmp / "model.safetensors"))
-    blob = {"optimizer": optim, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(), "loop": state}
-    torch.save(blob, tmp / "state.pt")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    _write_checksums(tmp)
+    try:
+        with writer_errors(tmp):  # a full device is an OSError naming the folder, whichever library wrote
+            save_file(weights, str(tmp / "model.safetensors"))
+            blob = {"optimizer": optim, "scheduler": sched.state_dict(), "torch_rng": torch.get_rng_state(),
+                    "loop": state}
+            torch.save(blob, tmp / "state.pt")
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+            _write_checksums(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never a checkpoint; its space is freed
+        raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)  # the folder appears complete or not at all
     for old in sorted(root.glob("step_*"))[:-KEEP_CHECKPOINTS]:

@@ -87,6 +87,8 @@ class _Run:
     env: DistEnv
     lengths: list[int] | None
     on_checkpoint: Callable[[Path], None] | None = None  # rank 0, after each checkpoint is complete
+    saved_step: int | None = None  # the step of the last checkpoint this run wrote
+    in_step: bool = False  # a step (or its checkpoint) is under way: its state is half-updated
 
 
 def _train_step(run: _Run, seqs: list[tuple[int, FeatureSample]], step: int) -> dict[str, Any]:
@@ -276,9 +278,15 @@ def _run_steps(run: _Run, state: dict) -> None:
 
 
 def _stop_here(run: _Run, state: dict) -> None:
-    """Between steps, stopped by a signal: keep the step just done (unless its checkpoint was just written)."""
+    """Between steps, stopped by a signal: keep the step just done (unless its checkpoint was just written).
+
+    A signal that still lands mid-step (a second Ctrl-C) writes nothing: the state is half-updated, and
+    the last complete checkpoint is what a re-run resumes from."""
     # One process only: several ranks would each need the same signal at the same step (FSDP gathers).
-    if run.env.world_size == 1 and state["step"] % run.tcfg.checkpoint_every and state["step"] < run.total:
+    if run.in_step:
+        interrupt.stopped(f"train step {state['step']} of {run.total} (mid-step: resumes from the last checkpoint)")
+        return
+    if run.env.world_size == 1 and run.saved_step != state["step"]:
         _checkpoint(run, state)
     interrupt.stopped(f"train step {state['step']} of {run.total} (checkpoint saved)")
 
@@ -288,7 +296,9 @@ def _steps(run: _Run, state: dict) -> None:
     run.drafter.train()
     while state["step"] < run.total:
         with interrupt.step_boundary():  # in the main thread a signal lands after this step, not inside it
+            run.in_step = True
             _one_step(run, state, log_every)
+            run.in_step = False
         if interrupt.requested():
             raise interrupt.Interrupted(f"interrupted at train step {state['step']} of {run.total}")
 
@@ -317,6 +327,7 @@ def _one_step(run: _Run, state: dict, log_every: int) -> None:
 def _checkpoint(run: _Run, state: dict) -> None:
     """Every rank calls it (FSDP gathers the shards); rank 0 writes, then `on_checkpoint` (the store's copy)."""
     folder = save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
+    run.saved_step = state["step"]
     if folder is not None and run.on_checkpoint is not None:
         run.on_checkpoint(folder)
 

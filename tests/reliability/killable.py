@@ -9,7 +9,9 @@ A kill point is one of
 
 At the kill point the thread that reached it writes the marker file and blocks; the test sees the marker
 appear and SIGKILLs the whole process group, so the kill lands at that event and not at whatever the
-other threads reach during a sleep. Without a kill point (`-`) this is the plain CLI.
+other threads reach during a sleep. With `KILLABLE_DO` set in its environment the point is a storage
+fault instead (`fill:<file>`: the device fills up; `readonly:<mount>`: it turns read-only) and the run
+goes on into it. Without a kill point (`-`) this is the plain CLI.
 """
 
 from __future__ import annotations
@@ -24,9 +26,40 @@ from pathlib import Path
 
 
 def _freeze(marker: str, limit_s: float = 300) -> None:
+    """At the point: block for the test's SIGKILL, or (KILLABLE_DO set) do a storage fault and go on."""
+    action = os.environ.get("KILLABLE_DO")
+    if action:
+        _storage_fault(*action.split(":", 1))
+        Path(marker).write_text(action)
+        return
     Path(marker).write_text(str(os.getpid()))
     time.sleep(limit_s)  # the test kills the process group now
     os._exit(3)  # never killed (the test itself died): do not linger
+
+
+def _storage_fault(kind: str, path: str) -> None:
+    """`fill:<file>`: write `file` until its device is full. `readonly:<folder>`: a read-only bind mount of
+    `folder` over itself (a remount of the device would fail while files are open for writing); the test
+    unmounts it to make the folder writable again."""
+    import errno
+    import subprocess
+
+    if kind == "readonly":
+        subprocess.run(["mount", "--bind", path, path], check=True)
+        for _ in range(100):  # busy while another thread has just opened a file there for writing
+            if subprocess.run(["mount", "-o", "remount,bind,ro", path], capture_output=True).returncode == 0:
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"could not make {path} read-only")
+    assert kind == "fill", kind
+    with open(path, "wb", buffering=0) as fh:
+        for chunk in (1 << 20, 4096, 1):  # big writes, then the last few pages, then bytes
+            try:
+                while True:
+                    fh.write(b"\0" * chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
 
 
 def _arm_file(glob: str, n: int, root: str, marker: str) -> None:

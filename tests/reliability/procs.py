@@ -121,6 +121,19 @@ def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, time
                          describe=lambda: f" (kill point {point}):\n{log.read_text()[-4000:]}")
 
 
+def run_with_fault(env: dict, root: str, point: str, action: str, log: Path, timeout: float = 300) -> tuple[int, str]:
+    """A run that meets a storage fault (`action`, see killable.py) at `point` and goes on into it; its exit
+    code and output. Fails the test if the point is never reached."""
+    marker = log.with_suffix(".fault")
+    cmd = [sys.executable, "-m", "tests.reliability.killable", point, str(marker), "--", *cli_args(root)]
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, cwd=code_dir(env), env={**env, "KILLABLE_DO": action}, stdout=fh,
+                            stderr=subprocess.STDOUT, timeout=timeout, start_new_session=True).returncode
+    out = log.read_text()
+    assert marker.exists(), f"the fault point {point} was never reached (exit {rc}):\n{out[-4000:]}"
+    return rc, out
+
+
 # The evaluate stage's reports hold this machine's measured step times (the projected speedup: a
 # measurement, like a log line), so two runs of the same code differ there and nowhere else. The
 # comparisons leave out exactly those: `speedup` in report.json and in the manifest's headline, report.md

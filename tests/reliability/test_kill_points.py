@@ -22,19 +22,9 @@ evaluate    1st speculative decode, 3rd drafting step, 2nd greedy reference, rep
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-from tests.reliability.procs import (
-    leftovers,
-    manifests,
-    prefect_server,
-    run_killed_at,
-    run_to_end,
-    sha256_tree,
-    snapshot_code,
-)
+from tests.reliability.procs import leftovers, manifests, run_killed_at, run_to_end, sha256_tree
 
 pytestmark = pytest.mark.reliability
 
@@ -55,24 +45,6 @@ KILL_POINTS = {
                  "call:draftflow.evaluation.cached:greedy_generate_cached:2", "file:evaluate/*/report.json:1",
                  "file:evaluate/*/manifest.json:1"],
 }
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    code = snapshot_code(tmp_path_factory.mktemp("code"))
-    with prefect_server(tmp_path_factory.mktemp("prefect")) as client_env:
-        yield {**client_env, "CODE_SNAPSHOT": str(code)}
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(env, tmp_path_factory):
-    """The manifests and file digests of an uninterrupted run, made in the root the killed runs then use."""
-    tmp = tmp_path_factory.mktemp("kill")
-    root = tmp / "run"
-    run_to_end(env, str(root), tmp / "uninterrupted.log")
-    want = manifests(root), sha256_tree(root)
-    shutil.move(root, tmp / "uninterrupted")  # same root path for the killed sequence: paths in manifests match
-    return root, want
 
 
 def test_sigkill_at_every_kill_point_then_resume_equals_an_uninterrupted_run(env, uninterrupted):
