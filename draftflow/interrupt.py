@@ -27,19 +27,27 @@ _STOP = threading.Event()
 _IDLE = threading.Condition()
 _active = 0
 _where: list[str] = []
+_why: list[str] = []
 
 
 class Interrupted(DraftflowError):
     """A loop in a worker thread stopped at a stop request; its message says where."""
 
 
-def request() -> None:
-    """Ask every `stoppable` loop to stop at its next step."""
+def request(why: str | None = None) -> None:
+    """Ask every `stoppable` loop to stop at its next step; `why`: a cause other than a user's signal."""
+    if why is not None and not _why:
+        _why.append(why)
     _STOP.set()
 
 
 def requested() -> bool:
     return _STOP.is_set()
+
+
+def reason() -> str | None:
+    """Why the stop was requested, when it was not a user's signal (e.g. the Prefect API was lost)."""
+    return _why[0] if _why else None
 
 
 @contextmanager

@@ -153,6 +153,15 @@ class RunLease:
 _HELD: dict[str, RunLease] = {}  # roots this process holds: nested `holding` blocks share the lease
 
 
+def release_all() -> None:
+    """Release every lease this process holds (for a process about to exit without unwinding its blocks)."""
+    for lease in list(_HELD.values()):
+        try:
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - exiting: the lease then expires after its ttl
+            log.warning("could not release the lease %s (%s); it expires after its ttl", lease.path, exc)
+
+
 @contextmanager
 def holding(root: str, run: str, wait_s: float = 0.0, ttl_s: float = 60.0) -> Iterator[RunLease]:
     """Hold the lease on `root` for the block (see `RunLease.acquire`); re-entrant within a process, so

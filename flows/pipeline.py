@@ -23,6 +23,7 @@ from draftflow.store import Store
 from flows.common import publish_links
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key
+from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
 from flows.stages import (
     curate_flow,
@@ -48,6 +49,7 @@ def pipeline(cfg: RunConfig) -> dict:
             results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
             if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
                 require_rows(results[stage.name].manifest)
+        flush_progress()  # each stage's last figures reach the UI (sent from a thread: a lost API never blocks)
     stages = [results[s.name] for s in registry()]
     summary = summarize(cfg, stages, target["path"])
     publish_summary(cfg, summary)

@@ -4,10 +4,18 @@ Listens to `draftflow.progress` (the library's reports). The artifact is created
 of a stage (in the flow or task run that made it) and updated at most every `INTERVAL` seconds, its
 description carrying rows/s and the ETA; when the stage's units are all done a one-row table
 (`<run>-<stage>-throughput`: units, seconds, units/s) is published. Outside a Prefect run nothing is sent.
+
+The API calls are made by one background thread, never by the stage's own: a report only queues its
+snapshot (the newest per stage replaces an unsent one), so a slow or lost API (Prefect's client retries
+for minutes) never holds up a training step or a shard. `flush` waits (bounded) for the queue to drain:
+the pipeline calls it before it returns, so the UI shows each stage's last figures.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextvars
+import logging
 import threading
 from uuid import UUID
 
@@ -19,9 +27,15 @@ from draftflow.progress import Progress
 from flows.keys import artifact_key
 
 INTERVAL = 2.0  # seconds between updates of one stage's artifact: a few API calls a minute per stage
+FLUSH_S = 10.0  # how long `flush` waits for queued updates to reach the API
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _artifacts: dict[tuple[str, int], UUID] = {}
 _run = {"name": "draftflow"}
+_queue: dict[tuple[str, int], tuple[contextvars.Context, Progress]] = {}  # newest unsent snapshot per stage
+_changed = threading.Condition()
+_sending = [0]  # snapshots taken off the queue and not yet sent
+_sender: list[threading.Thread] = []
 
 
 def install(run_name: str) -> None:
@@ -41,8 +55,48 @@ def _percent(p: Progress) -> float:
 
 
 def _to_prefect(p: Progress) -> None:
+    """Queue `p` for the sender thread, with the caller's context (the Prefect run the artifact belongs to)."""
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         return  # the library ran outside Prefect (a notebook, a unit test)
+    with _changed:
+        _queue[(p.stage, p.session)] = (contextvars.copy_context(), p)
+        if not _sender:
+            _sender.append(threading.Thread(target=_send_forever, name="draftflow-progress-ui", daemon=True))
+            _sender[0].start()
+        _changed.notify_all()
+
+
+def _send_forever() -> None:
+    failing = False
+    while True:
+        with _changed:
+            _changed.wait_for(lambda: _queue)
+            key = next(iter(_queue))
+            ctx, p = _queue.pop(key)
+            _sending[0] += 1
+        try:
+            ctx.run(_send, p)
+            failing = False
+        except Exception as exc:  # noqa: BLE001 - the UI's figures are best effort; the stage goes on
+            if not failing:
+                log.warning("progress to the Prefect UI failed (%s: %s); still trying", type(exc).__name__, exc)
+            failing = True
+        finally:
+            with _changed:
+                _sending[0] -= 1
+                _changed.notify_all()
+
+
+def flush(timeout: float = FLUSH_S) -> bool:
+    """Wait up to `timeout` seconds for queued updates to be sent; whether they all were."""
+    with _changed:
+        return _changed.wait_for(lambda: not _queue and not _sending[0], timeout)
+
+
+atexit.register(flush, 2.0)  # a stage flow run on its own (a deployment) sends its last figures too
+
+
+def _send(p: Progress) -> None:
     key = (p.stage, p.session)
     with _lock:
         artifact = _artifacts.get(key)

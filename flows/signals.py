@@ -42,9 +42,12 @@ def interruptible(fn, *args):
 
     from draftflow import interrupt
 
+    received = []
+
     def on_signal(signum, frame):
-        if interrupt.requested():
+        if received:
             os._exit(128 + signum)
+        received.append(signum)
         interrupt.request()
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda hook_args: None
@@ -67,14 +70,38 @@ def end_interrupted(exc: RunInterrupted) -> None:
 
     from draftflow import interrupt
 
+    if interrupt.reason():  # not a user's signal: the run stopped itself (e.g. flows.apiwatch)
+        end_now(stop_line(interrupt.reason()), 2)
     where = interrupt.stopped_at()
-    name = signal.Signals(exc.signum).name
-    print(f"draftflow: interrupted ({name}){f' at {where}' if where else ''}; finished stages and shards are kept: "
-          "re-run the same command to resume", file=sys.stderr)
-    _end_children()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(128 + exc.signum)
+    at = f" at {where}" if where else ""
+    end_now(f"draftflow: interrupted ({signal.Signals(exc.signum).name}){at}; finished stages and shards are "
+            "kept: re-run the same command to resume", 128 + exc.signum)
+
+
+def stop_line(why: str) -> str:
+    """The one line of a run that stopped itself for `why`, saying where it stopped (if a loop did)."""
+    from draftflow import interrupt
+
+    where = interrupt.stopped_at()
+    return (f"draftflow: error: {why}; the run stopped{f' at {where}' if where else ''}; finished stages and "
+            "shards are kept: re-run the same command to resume once that is fixed")
+
+
+def end_now(line: str, code: int) -> None:
+    """Print `line`, release the run's leases, end every child process and exit with `code`, from any thread
+    (one that does not wait for the main thread to unwind, e.g. when Prefect's unwinding waits on a lost API)."""
+    from draftflow.runlock import release_all
+
+    with _ENDING:
+        print(line, file=sys.stderr)
+        release_all()
+        _end_children()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+_ENDING = threading.Lock()  # one thread ends the process; another that gets here waits for its exit
 
 
 def _end_children(grace_s: float = 5.0) -> None:

@@ -204,8 +204,9 @@ def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkey
                "serve": serve, "target": "m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)"}
     monkeypatch.setattr(draftflow.plan, "preflight", lambda cfg: None)
     monkeypatch.setattr(flows.pipeline, "pipeline", lambda cfg: summary)
-    for name in ("_prefect_env", "_cpu_threads", "_quiet_user_errors"):
+    for name in ("_prefect_env", "_user_api", "_cpu_threads"):
         monkeypatch.setattr(cli, name, lambda: None)
+    monkeypatch.setattr(cli.console, "quiet_user_errors", lambda: None)
     assert cli.main(["run", str(ROOT / "configs" / "tiny.yaml"), "--set", f"root={tmp_path}/r"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "target: m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)" in out  # a GGUF target

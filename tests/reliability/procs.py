@@ -55,24 +55,42 @@ def free_port() -> int:
 @contextmanager
 def prefect_server(tmp: Path):
     """A `prefect server start` on a free port; yields the env for CLI runs that report to it."""
+    proc, client_env = start_prefect_server(tmp)
+    try:
+        yield client_env
+    finally:
+        stop_prefect_server(proc)
+
+
+def start_prefect_server(tmp: Path) -> tuple[subprocess.Popen, dict]:
+    """`prefect server start` on a free port, its own process group, once healthy: (process, env for runs)."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(tmp / "server-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                PREFECT_UI_ENABLED="false")
+    tmp.mkdir(parents=True, exist_ok=True)
     log_path = tmp / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        url = f"http://127.0.0.1:{port}/api"
-        try:
-            wait_healthy(url, proc, log_path)
-            yield {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home")}
-        finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_healthy(url, proc, log_path)
+    except BaseException:
+        stop_prefect_server(proc)
+        raise
+    return proc, {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home")}
+
+
+def stop_prefect_server(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
@@ -132,6 +150,71 @@ def run_with_fault(env: dict, root: str, point: str, action: str, log: Path, tim
     out = log.read_text()
     assert marker.exists(), f"the fault point {point} was never reached (exit {rc}):\n{out[-4000:]}"
     return rc, out
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc), zombies left out."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.add(pid)
+    return out
+
+
+LONG_TRAINING = "train.max_steps=200"  # long enough that a fault lands while training
+
+
+def start_and_wait_for_training(env, root: Path, log: Path, steps: str = LONG_TRAINING
+                                ) -> tuple[subprocess.Popen, set[int]]:
+    """Start a run of `steps` training steps; return it (and what it has started) once its 2nd training
+    checkpoint is on disk (an event, not a sleep, decides when the test acts)."""
+    cmd = [sys.executable, "-m", "flows.cli", *cli_args(str(root), steps)]
+    fh = open(log, "w")  # noqa: SIM115 - closed by the caller's wait
+    proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    proc.log_handle = fh
+    end = time.monotonic() + 900
+    while len(list(root.glob("train/*/work/checkpoints/step_*"))) < 2:
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended before training checkpointed twice:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > end:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no 2nd training checkpoint in 900 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return proc, descendants(proc.pid)
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
+    start = time.monotonic()
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        pytest.fail(f"the run did not exit within {timeout} s of the signal")
+    proc.log_handle.close()
+    return rc, time.monotonic() - start
 
 
 # The evaluate stage's reports hold this machine's measured step times (the projected speedup: a

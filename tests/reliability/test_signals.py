@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.reliability.procs import cli_args, code_dir, run_to_end, snapshot_code
+from tests.reliability.procs import LONG_TRAINING, alive, finish, run_to_end, snapshot_code, start_and_wait_for_training
 
 pytestmark = pytest.mark.reliability
 
-STEPS = "train.max_steps=200"  # long enough that the signal lands while training
+STEPS = LONG_TRAINING
 STOP_S = 60  # SIGTERM/SIGINT to exit, bound (train stops at its next step; the grace for it is 30 s)
 LOCK = ".draftflow-lock.json"
 
@@ -33,66 +30,6 @@ def env(tmp_path_factory):
     return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
 
 
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (from /proc), zombies left out."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    out = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            out.add(pid)
-    return out
-
-
-def start_and_wait_for_training(env, root: Path, log: Path) -> tuple[subprocess.Popen, set[int]]:
-    """Start a run; return it (and what it has started) once its 2nd training checkpoint is on disk."""
-    cmd = [sys.executable, "-m", "flows.cli", *cli_args(str(root), STEPS)]
-    fh = open(log, "w")  # noqa: SIM115 - closed by the caller's wait
-    proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    proc.log_handle = fh
-    end = time.monotonic() + 900
-    while len(list(root.glob("train/*/work/checkpoints/step_*"))) < 2:
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before training checkpointed twice:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > end:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no 2nd training checkpoint in 900 s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return proc, descendants(proc.pid)
-
-
-def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
-    start = time.monotonic()
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        pytest.fail(f"the run did not exit within {timeout} s of the signal")
-    proc.log_handle.close()
-    return rc, time.monotonic() - start
 
 
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
