@@ -20,15 +20,15 @@ pytestmark = pytest.mark.reliability
 
 DISK = "96m"  # a tiny run's root is ~11 MiB; preflight wants 64 MiB free
 
-# case: (fault point, fault, words the one line must hold)
-CASES = {
-    "disk full in extract": ("file:extract/*/train-*:1", "fill", ["No space left on device", "the plan estimates",
-                                                                    "free now", "free space there"]),
-    "disk full in train": ("file:train/*/work/checkpoints/step_*:1", "fill",
-                           ["No space left on device", "the plan estimates", "train", "free now"]),
-    "read-only after tokenize": ("file:tokenize/*/manifest.json:1", "readonly", ["Read-only file system",
-                                                                                 "writable"]),
-}
+# In order, one root (as test_kill_points.py chains its kills): each run meets its fault, is put right, and
+# the next run resumes and meets the next fault. (fault point, fault, words the one line must hold)
+FAULTS = [
+    ("file:tokenize/*/manifest.json:1", "readonly", ["Read-only file system", "writable"]),
+    ("file:extract/*/train-*:1", "fill", ["No space left on device", "the plan estimates", "free now",
+                                          "free space there"]),
+    ("file:train/*/work/checkpoints/step_*:1", "fill", ["No space left on device", "the plan estimates", "train",
+                                                        "free now"]),
+]
 
 
 @pytest.fixture
@@ -43,24 +43,22 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-R", "-l", str(mount)], check=False)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_a_storage_fault_mid_run_is_one_line_and_the_rerun_matches(case, env, uninterrupted, small_disk, tmp_path):
+def test_storage_faults_mid_run_are_one_line_and_the_rerun_matches(env, uninterrupted, small_disk, tmp_path):
     _, (want_manifests, want_files) = uninterrupted
-    point, fault, words = CASES[case]
     root, ballast = small_disk / "run", small_disk / "ballast"
-    rc, out = run_with_fault(env, str(root), point, f"{fault}:{ballast if fault == 'fill' else root}",
-                             tmp_path / "fault.log")
-    last = out.strip().splitlines()[-1]
-    assert rc == 2 and last.startswith("draftflow: error: "), out[-3000:]
-    assert str(root) in last and all(w in last for w in words), last
-    assert "Traceback" not in out and "Retrying" not in out and "retry" not in out.lower(), out[-3000:]
-    done = manifests(root)
-    assert all(want_manifests[k] == v for k, v in done.items()), "a stage marked complete differs"
-
-    if fault == "fill":
-        ballast.unlink()
-    else:
-        subprocess.run(["umount", str(root)], check=True)  # the read-only bind mount over it
+    for i, (point, fault, words) in enumerate(FAULTS):
+        rc, out = run_with_fault(env, str(root), point, f"{fault}:{ballast if fault == 'fill' else root}",
+                                 tmp_path / f"fault-{i}.log")
+        last = out.strip().splitlines()[-1]
+        assert rc == 2 and last.startswith("draftflow: error: "), out[-3000:]
+        assert str(root) in last and all(w in last for w in words), last
+        assert "Traceback" not in out and "Retrying" not in out and "retry" not in out.lower(), out[-3000:]
+        done = manifests(root)
+        assert all(want_manifests[k] == v for k, v in done.items()), "a stage marked complete differs"
+        if fault == "fill":  # put right: space freed, or the folder writable again
+            ballast.unlink()
+        else:
+            subprocess.run(["umount", str(root)], check=True)  # the read-only bind mount over it
     run_to_end(env, str(root), tmp_path / "rerun.log")
     assert manifests(root) == want_manifests and sha256_tree(root) == want_files
     assert leftovers(root) == []
