@@ -55,6 +55,8 @@ class SourceConfig(Section):
     category: str | None = Field(None, min_length=1, description="evaluation category of its rows (chat, code, math)")
     category_field: str | None = Field(None, min_length=1, description="row column naming the category (else category)")
     split: Literal["train", "eval"] | None = Field(None, description="every row to this split; null = eval_fraction")
+    max_row_bytes: int = Field(16 << 20, ge=1024, description="a JSONL line longer than this is rejected "
+                               "(row_too_large) without being held in memory whole")
     # self_instruct: the generated prompts file, set at stage start (`stages.curate.materialize_sources`);
     # in no fingerprint by itself (the file's key is, through curate's source keys).
     _generated: str | None = PrivateAttr(None)

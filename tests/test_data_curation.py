@@ -129,3 +129,31 @@ def test_hf_datasets_streaming_source(tmp_path):
     src = SourceConfig(name="orca", hf=str(folder), hf_split="train")
     m = curate.run(Store(str(tmp_path / "r")), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
     assert m.rows_out == 2 and m.extra["sources"]["orca"]["read"] == 2
+
+
+def test_rows_too_large_huge_numbers_and_deep_nesting_are_counted_rejects(tmp_path):
+    """A 20 MB line is rejected without being held whole (peak Python memory stays near the bound); a
+    5,000-digit integer and a line nested 100,000 deep are rejects too; the good rows around them curate."""
+    import tracemalloc
+
+    from draftflow.data.readers import read_file
+
+    path = tmp_path / "bad.jsonl"
+    good = [json.dumps({"prompt": f"a good prompt number {i}"}) for i in range(3)]
+    with open(path, "w") as f:
+        f.write(good[0] + "\n" + json.dumps({"prompt": "x" * (20 << 20)}) + "\n" + good[1] + "\n")
+        f.write('{"prompt": "p", "n": ' + "9" * 5000 + "}\n" + "[" * 100_000 + "]" * 100_000 + "\n" + good[2] + "\n")
+    tracemalloc.start()
+    rows = list(read_file(str(path), max_row_bytes=1 << 20))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB reading a 20 MiB line with a 1 MiB bound"
+    assert [getattr(r, "reason", "row") for r in rows] == ["row", "row_too_large", "row", "number_too_large",
+                                                          "too_deeply_nested", "row"]
+    src = SourceConfig(name="bad", path=str(path), max_row_bytes=1 << 20)
+    m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
+    assert m.rows_out == 3
+    assert m.dropped == {"row_too_large": 1, "number_too_large": 1, "too_deeply_nested": 1}
+    rejects = {r["reason"]: r for r in _rows(tmp_path, m, "rejected")}
+    assert rejects["row_too_large"]["row"].startswith('{"prompt": "xxx') and "20,971,535 bytes" in \
+        rejects["row_too_large"]["detail"]

@@ -147,6 +147,10 @@ def file_keys(files: list[str]) -> list[str]:
     return keys
 
 
+MAX_ROW_BYTES = 16 << 20  # curate.sources[].max_row_bytes' default
+REJECT_HEAD_BYTES = 4096  # what the rejects shard keeps of a row too large to read
+
+
 def source_key(src: SourceConfig) -> str:
     """What identifies a source's content: its files' keys, or the hf name/config/split."""
     if src.hf is not None:
@@ -155,8 +159,9 @@ def source_key(src: SourceConfig) -> str:
     return json.dumps(list(zip(files, file_keys(files))))
 
 
-def read_file(path: str) -> Iterator[dict[str, Any] | BadRow]:
-    """Raw rows of one file: parquet by extension, JSONL otherwise.
+def read_file(path: str, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[dict[str, Any] | BadRow]:
+    """Raw rows of one file: parquet by extension, JSONL otherwise (a line over `max_row_bytes`: a
+    `row_too_large` BadRow holding its first REJECT_HEAD_BYTES, the rest skipped unread into memory).
 
     Raises:
         SourceError: naming the file, when it is not in its format, truncated, or storage refuses it
@@ -166,7 +171,7 @@ def read_file(path: str) -> Iterator[dict[str, Any] | BadRow]:
         if path.endswith(".parquet"):
             yield from _read_parquet(path)
         else:
-            yield from _read_jsonl(path)
+            yield from _read_jsonl(path, max_row_bytes)
 
 
 def _format_errors() -> tuple[type[BaseException], ...]:
@@ -280,12 +285,27 @@ def _open_lines(path: str) -> Iterator[IO[bytes]]:
             yield fh
 
 
-def _read_jsonl(path: str) -> Iterator[dict[str, Any] | BadRow]:
+def _read_jsonl(path: str, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[dict[str, Any] | BadRow]:
     with _open_lines(path) as fh:
-        for lineno, raw in enumerate(fh, 1):
-            if not raw.strip():
-                continue
-            yield _parse_line(raw, lineno)
+        lineno = 0
+        while raw := fh.readline(max_row_bytes + 1):  # a line is never held beyond the bound
+            lineno += 1
+            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
+                size = len(raw) + _skip_line(fh)
+                yield BadRow("row_too_large", f"line {lineno}: {size:,} bytes, over max_row_bytes "
+                             f"({max_row_bytes:,})", raw[:REJECT_HEAD_BYTES].decode("utf-8", "replace") + "...")
+            elif raw.strip():
+                yield _parse_line(raw, lineno)
+
+
+def _skip_line(fh) -> int:
+    """Read past the rest of the current line in bounded chunks; how many bytes that was."""
+    skipped = 0
+    while chunk := fh.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
 
 
 def _parse_line(raw: bytes, lineno: int) -> dict[str, Any] | BadRow:
@@ -295,6 +315,10 @@ def _parse_line(raw: bytes, lineno: int) -> dict[str, Any] | BadRow:
         return BadRow("invalid_utf8", f"line {lineno}", raw.decode("utf-8", "replace"))
     except json.JSONDecodeError as exc:
         return BadRow("malformed_json", f"line {lineno}: {exc.msg}", raw.decode("utf-8", "replace"))
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+        return BadRow("number_too_large", f"line {lineno}: {exc}", raw[:REJECT_HEAD_BYTES].decode("utf-8", "replace"))
+    except RecursionError:
+        return BadRow("too_deeply_nested", f"line {lineno}", raw[:REJECT_HEAD_BYTES].decode("utf-8", "replace"))
     return row if isinstance(row, dict) else BadRow("not_an_object", f"line {lineno}", raw.decode())
 
 

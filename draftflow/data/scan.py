@@ -118,7 +118,7 @@ def part_rows(src: SourceConfig, files: list[str]) -> Iterator[dict[str, Any] | 
     if src.hf is not None:
         yield from read_hf(src)
     for f in files:
-        yield from read_file(f)
+        yield from read_file(f, src.max_row_bytes)
 
 
 def _reject(source: str, bad: BadRow, raw: Any) -> dict[str, str]:
