@@ -157,3 +157,17 @@ def test_rows_too_large_huge_numbers_and_deep_nesting_are_counted_rejects(tmp_pa
     rejects = {r["reason"]: r for r in _rows(tmp_path, m, "rejected")}
     assert rejects["row_too_large"]["row"].startswith('{"prompt": "xxx') and "20,971,535 bytes" in \
         rejects["row_too_large"]["detail"]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_bounded_lines_split_like_readlines_and_cut_long_ones(chunk):
+    import io
+
+    from draftflow.data.readers import _bounded_lines
+
+    data = b"ab\n\nccc\n" + b"x" * 25 + b"\nlast-no-newline"
+    got = list(_bounded_lines(io.BytesIO(data), limit=10, chunk=chunk))
+    assert [size for _, size in got] == [len(line) for line in io.BytesIO(data).readlines()]
+    assert [line for line, size in got if size <= 10] == [b"ab\n", b"\n", b"ccc\n"]
+    assert got[3][0].startswith(b"xxxxxxxxxx") and got[3][1] == 26 and got[4][1] == len(b"last-no-newline")
+    assert list(_bounded_lines(io.BytesIO(b"y" * 30), limit=10, chunk=chunk))[0][1] == 30  # over, at the end

@@ -287,25 +287,35 @@ def _open_lines(path: str) -> Iterator[IO[bytes]]:
 
 def _read_jsonl(path: str, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[dict[str, Any] | BadRow]:
     with _open_lines(path) as fh:
-        lineno = 0
-        while raw := fh.readline(max_row_bytes + 1):  # a line is never held beyond the bound
-            lineno += 1
-            if len(raw) > max_row_bytes and not raw.endswith(b"\n"):
-                size = len(raw) + _skip_line(fh)
+        for lineno, (raw, size) in enumerate(_bounded_lines(fh, max_row_bytes), 1):
+            if size > max_row_bytes:
                 yield BadRow("row_too_large", f"line {lineno}: {size:,} bytes, over max_row_bytes "
-                             f"({max_row_bytes:,})", raw[:REJECT_HEAD_BYTES].decode("utf-8", "replace") + "...")
+                             f"({max_row_bytes:,})", raw.decode("utf-8", "replace") + "...")
             elif raw.strip():
                 yield _parse_line(raw, lineno)
 
 
-def _skip_line(fh) -> int:
-    """Read past the rest of the current line in bounded chunks; how many bytes that was."""
-    skipped = 0
-    while chunk := fh.readline(1 << 20):
-        skipped += len(chunk)
-        if chunk.endswith(b"\n"):
-            break
-    return skipped
+def _bounded_lines(fh, limit: int, chunk: int = 1 << 20) -> Iterator[tuple[bytes, int]]:
+    """(line, its size) per line of a binary file, reading `chunk` bytes at a time: a line over `limit`
+    bytes comes as its first REJECT_HEAD_BYTES and its full size, the rest read past, never held."""
+    buf, over, head = b"", 0, b""  # over > 0: inside a line already past the limit (bytes seen so far)
+    while data := fh.read(chunk):
+        buf, pos = buf + data, 0
+        while (end := buf.find(b"\n", pos)) >= 0:
+            line, pos = buf[pos:end + 1], end + 1
+            if over:
+                yield head, over + len(line)
+                over, head = 0, b""
+            else:
+                yield line, len(line)
+        buf = buf[pos:]
+        if len(buf) > limit or over:  # no newline yet in a line over the bound: drop what is held
+            head = head or buf[:REJECT_HEAD_BYTES]
+            over, buf = over + len(buf), b""
+    if over:
+        yield head, over + len(buf)
+    elif buf:
+        yield buf, len(buf)
 
 
 def _parse_line(raw: bytes, lineno: int) -> dict[str, Any] | BadRow:
