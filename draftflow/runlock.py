@@ -133,21 +133,33 @@ class RunLease:
         self._thread.start()
 
     def _heartbeat(self) -> None:
+        failing = False
         while not self._stop.wait(self.ttl_s / 3):
-            held = self._read()
-            if held is not None and held.get("token") != self.token:
-                log.error("the lease on %s was taken by %s; this run no longer holds the root",
-                          self.store.base, describe(held, time.time()))
-                return
-            self.store.fs.pipe_file(self.path, self._record())
+            try:
+                held = self._read()
+                if held is not None and held.get("token") != self.token:
+                    log.error("the lease on %s was taken by %s; this run no longer holds the root",
+                              self.store.base, describe(held, time.time()))
+                    return
+                self.store.fs.pipe_file(self.path, self._record())
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - storage down: the stages meet it too and say so
+                if not failing:
+                    log.warning("could not renew the lease on %s (%s); still trying", self.store.base,
+                                " ".join(f"{type(exc).__name__}: {exc}".split()))
+                failing = True
 
     def release(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        held = self._read()
-        if held is not None and held.get("token") == self.token:
-            self.store.fs.rm(self.path)
+        try:
+            held = self._read()
+            if held is not None and held.get("token") == self.token:
+                self.store.fs.rm(self.path)
+        except Exception as exc:  # noqa: BLE001 - storage down: never hide the error the run is ending with
+            log.warning("could not release the lease on %s (%s); it expires after %g s", self.store.base,
+                        " ".join(f"{type(exc).__name__}: {exc}".split()), self.ttl_s)
 
 
 _HELD: dict[str, RunLease] = {}  # roots this process holds: nested `holding` blocks share the lease
@@ -156,10 +168,7 @@ _HELD: dict[str, RunLease] = {}  # roots this process holds: nested `holding` bl
 def release_all() -> None:
     """Release every lease this process holds (for a process about to exit without unwinding its blocks)."""
     for lease in list(_HELD.values()):
-        try:
-            lease.release()
-        except Exception as exc:  # noqa: BLE001 - exiting: the lease then expires after its ttl
-            log.warning("could not release the lease %s (%s); it expires after its ttl", lease.path, exc)
+        lease.release()
 
 
 @contextmanager

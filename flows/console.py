@@ -17,8 +17,8 @@ SIGNAL_CRASH = "was aborted by a"  # Prefect's crash message for a SIGTERM or SI
 
 
 class _UserErrorsWithoutTraceback(logging.Filter):
-    """On the console, a DraftflowError (bad input the user must fix) or a storage error the user must fix
-    (a full or read-only device, refused permissions or credentials) is its one-line message.
+    """On the console, a DraftflowError (bad input the user must fix) or a storage error of a known cause
+    (a full or read-only device, refused permissions or credentials, an endpoint lost) is its one-line message.
 
     Prefect logs every failed task and flow with its traceback; for user errors that
     buries the message under library frames. The UI's log handler keeps the traceback.
@@ -33,12 +33,17 @@ class _UserErrorsWithoutTraceback(logging.Filter):
         return True
 
 
+STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp")  # their errors are storage's
+
+
 def _user_storage_error(exc: BaseException | None) -> bool:
+    """A storage error of a known cause (a full device, an endpoint lost), or any error of the S3 client's
+    libraries (aiohttp's reset uploads, logged by asyncio): its message says it all."""
     if exc is None:
         return False
-    from draftflow.store import USER_CAUSES, storage_cause
+    from draftflow.store import storage_cause
 
-    return storage_cause(exc) in USER_CAUSES
+    return storage_cause(exc) is not None or type(exc).__module__.split(".")[0] in STORAGE_CLIENTS
 
 
 def quiet_user_errors() -> None:

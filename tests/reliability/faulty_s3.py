@@ -5,7 +5,9 @@ Every request is forwarded unchanged (bodies as sent, chunked or not) unless a `
 
 - `500`: InternalError, the body read and dropped;
 - `503`: SlowDown (S3's throttling answer);
-- `reset`: the connection is reset (RST) after reading half of the request body: a reset mid-upload.
+- `reset`: the connection is reset (RST) after reading half of the request body: a reset mid-upload;
+- `die`: the endpoint goes away: this request is reset and the proxy stops listening, so every later
+  connection is refused (a new `FaultyProxy` on the same `port` brings it back).
 
 `hits` counts the faults injected per rule, so a test can check every fault fired.
 """
@@ -32,7 +34,7 @@ HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailers", "upgrad
 class Fault:
     method: str  # GET, PUT, HEAD, POST, DELETE
     path: str  # a regex searched in the request path (with query)
-    kind: str  # "500", "503" or "reset"
+    kind: str  # "500", "503", "reset" or "die"
     nth: int = 1
     times: int = 1
     seen: int = 0
@@ -51,11 +53,12 @@ class Fault:
 class FaultyProxy:
     """`with FaultyProxy(upstream, faults) as endpoint:` an endpoint URL for s3fs/botocore."""
 
-    def __init__(self, upstream: str, faults: list[Fault] | None = None):
+    def __init__(self, upstream: str, faults: list[Fault] | None = None, port: int = 0):
         self.upstream = urlsplit(upstream)
         self.faults = list(faults or [])
         self.lock = threading.Lock()
         self.requests: list[tuple[str, str]] = []
+        self.dead = False
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -69,7 +72,7 @@ class FaultyProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _any
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
 
     @property
@@ -81,15 +84,19 @@ class FaultyProxy:
         return self.endpoint
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
+        if not self.dead:
+            self.server.shutdown()
         self.server.server_close()
 
     def handle(self, req: BaseHTTPRequestHandler) -> None:
         with self.lock:
             self.requests.append((req.command, req.path))
-            fault = next((f for f in self.faults if f.fires(req.command, req.path)), None)
+            fault = None if self.dead else next((f for f in self.faults if f.fires(req.command, req.path)), None)
+            if fault is not None and fault.kind == "die":
+                self.dead = True
+                threading.Thread(target=self._die, daemon=True).start()
         body = _read_body(req, half=fault is not None and fault.kind == "reset")
-        if fault is not None and fault.kind == "reset":
+        if self.dead or (fault is not None and fault.kind == "reset"):  # kept-alive connections die too
             req.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             req.close_connection = True
             req.connection.close()  # RST: the client sees "connection reset by peer" mid-request
@@ -101,6 +108,10 @@ class FaultyProxy:
             _answer(req, status, [("Content-Type", "application/xml")], data)
             return
         self._forward(req, body)
+
+    def _die(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()  # the port is closed: connections are refused
 
     def _forward(self, req: BaseHTTPRequestHandler, body: bytes) -> None:
         conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)

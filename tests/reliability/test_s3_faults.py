@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -107,31 +109,80 @@ def _manifests(root: str) -> dict[str, str]:
             for p in sorted(fs.glob(f"{base}/*/*/manifest.json"))}
 
 
-def test_a_run_through_faults_writes_the_manifests_of_a_run_without(through, tmp_path):
-    """The CLI run (a subprocess) through 5xx, SlowDown and resets mid-upload of shards, checkpoints and
-    manifests: it succeeds, and its manifests (every shard's sha256, the weights, τ) equal a clean run's."""
+ROOT = f"s3://{BUCKET}/runs/pipeline"  # every run in one root: the train manifest names its store URLs
+
+
+@pytest.fixture(scope="module")
+def clean_run(moto_endpoint, tmp_path_factory):
+    """A run without faults in ROOT (through a proxy that injects none): the code it ran and its manifests.
+    The tests that follow empty ROOT and run the same code there through their faults."""
+    import s3fs
+
+    from tests.reliability.procs import run_to_end, snapshot_code
+
+    tmp = tmp_path_factory.mktemp("s3-clean")
+    code = str(snapshot_code(tmp / "code"))  # every run sees the same code, whatever the tree does meanwhile
+    with FaultyProxy(moto_endpoint) as endpoint:
+        run_to_end({**os.environ, "CODE_SNAPSHOT": code, "AWS_ENDPOINT_URL": endpoint}, ROOT, tmp / "clean.log")
+    s3fs.S3FileSystem.clear_instance_cache()  # this process reads moto directly (moto_s3's environment)
+    return code, _manifests(ROOT)
+
+
+def _empty_root() -> None:
     import s3fs
 
     from draftflow.store import default_cache_dir
-    from tests.reliability.procs import run_to_end, snapshot_code
 
-    root = f"s3://{BUCKET}/runs/pipeline"  # both runs in one root: the train manifest names its store URLs
-    through()
-    code = str(snapshot_code(tmp_path / "code"))  # both runs see the same code, whatever the tree does meanwhile
-    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, root, tmp_path / "clean.log")
-    want = _manifests(root)
-    s3fs.S3FileSystem().rm(root, recursive=True)
+    s3fs.S3FileSystem.clear_instance_cache()
+    s3fs.S3FileSystem().rm(ROOT, recursive=True)
+    # Shards an earlier run downloaded would be read from the local cache, not through the faults (a cache of
+    # its own would move the target too, whose local path the train manifest's serve lines name).
+    shutil.rmtree(default_cache_dir() / "store", ignore_errors=True)
+
+
+def test_a_run_through_faults_writes_the_manifests_of_a_run_without(clean_run, through):
+    """The CLI run (a subprocess) through 5xx, SlowDown and resets mid-upload of shards, checkpoints and
+    manifests: it succeeds, and its manifests (every shard's sha256, the weights, τ) equal a clean run's."""
+    from tests.reliability.procs import run_to_end
+
+    code, want = clean_run
+    _empty_root()
     faults = [Fault("PUT", r"/train-00003\.", "reset"), Fault("PUT", r"/manifest\.json", "503", times=2),
               Fault("PUT", r"/train-0000[0-9]\.safetensors", "500", nth=2), Fault("GET", r"/train-00001\.", "503"),
               Fault("HEAD", r"/runs/pipeline/", "503", nth=5), Fault("PUT", r"/checkpoint/model", "reset"),
               Fault("PUT", r"/partial/", "500", nth=3), Fault("GET", r"list-type=2", "500", nth=3)]
     through(*faults)
-    # Shards the clean run downloaded would be read from the local cache, not through the faults (a cache of
-    # its own would move the target too, whose local path the train manifest's serve lines name).
-    shutil.rmtree(default_cache_dir() / "store", ignore_errors=True)
-    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, root, tmp_path / "faulty.log")
-    got = _manifests(root)
+    log = Path(code).parent / "faulty.log"
+    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, ROOT, log)
+    got = _manifests(ROOT)
     assert [f.hits for f in faults] == [f.times for f in faults]
     assert sorted(got) == sorted(want)
     for name, text in got.items():
         assert text == want[name], f"{name} differs from the run without faults"
+
+
+def test_an_endpoint_lost_mid_run_is_one_line_and_the_rerun_resumes(clean_run, moto_endpoint, tmp_path):
+    """The S3 endpoint goes away while extract uploads its shards (the proxy stops listening): the run ends in
+    one line naming the endpoint, without a traceback; with the endpoint back (same port) the re-run resumes
+    and its manifests equal a run that never lost it."""
+    from tests.reliability.procs import cli_args, run_to_end
+
+    code, want = clean_run
+    _empty_root()
+    lost = FaultyProxy(moto_endpoint, [Fault("PUT", r"/extract/[0-9a-f]+/(partial/)?train-00002", "die")])
+    port = lost.server.server_address[1]
+    env = {**os.environ, "CODE_SNAPSHOT": code, "AWS_ENDPOINT_URL": lost.__enter__()}
+    done = subprocess.run([sys.executable, "-m", "flows.cli", *cli_args(ROOT)], cwd=code, env=env,
+                          capture_output=True, text=True, timeout=600)
+    lost.__exit__(None, None, None)
+    out = done.stdout + done.stderr
+    (tmp_path / "lost.log").write_text(out)
+    last = done.stderr.strip().splitlines()[-1]
+    assert lost.dead and done.returncode == 2 and last.startswith("draftflow: error: "), out[-3000:]
+    assert "endpoint cannot be reached" in last and "AWS_ENDPOINT_URL" in last, last
+    assert "Traceback" not in out, out[-3000:]
+
+    with FaultyProxy(moto_endpoint, port=port):  # the endpoint is back, where the run expects it
+        run_to_end(env, ROOT, tmp_path / "rerun.log")
+    s3fs_manifests = _manifests(ROOT)
+    assert s3fs_manifests == want
