@@ -366,12 +366,22 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
-def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def _merged(base: dict[str, Any], over: dict[str, Any], top: bool = True) -> dict[str, Any]:
+    """`over` laid over `base`: sections merge, lists and values replace; a top-level section whose `kind`
+    changes (drafter: dflash -> eagle3) is replaced, so one kind's fields never leak into another's."""
     out = dict(base)
     for key, value in over.items():
         both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        out[key] = _merged(out[key], value) if both else value
+        if both and top and "kind" in value and value["kind"] != out[key].get("kind", _default_kind(key)):
+            both = False
+        out[key] = _merged(out[key], value, top=False) if both else value
     return out
+
+
+def _default_kind(section: str) -> Any:
+    """The `kind` a top-level section has when a file does not name one (None: it has no kind)."""
+    field = RunConfig.model_fields.get(section)
+    return getattr(field.get_default(call_default_factory=True), "kind", None) if field else None
 
 
 def validate_config(data: dict[str, Any], origin: str, overrides: dict[str, str] | None = None) -> RunConfig:

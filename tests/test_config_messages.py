@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from draftflow.config import load_config
@@ -37,3 +39,15 @@ def test_a_bad_value_given_with_set_is_blamed_on_set_and_a_file_key_on_the_file(
     p.write_text("train:\n  lrr: 1\n")
     with pytest.raises(ConfigError, match=rf"unknown config key 'train.lrr' in {p}"):
         load_config(p, overrides=["train.lr=1e-3"])
+
+
+def test_a_delta_config_resolves_to_the_full_file_it_replaced():
+    """configs/tiny-eagle3.yaml (`base: tiny.yaml` + what differs) is the config it spelled out in full, every
+    field equal, so every stage fingerprint of its runs is unchanged; switching the drafter's kind replaces
+    the section (tiny.yaml's DFlash num_layers/num_taps do not leak into EAGLE-3's)."""
+    root = Path(__file__).resolve().parents[1]
+    delta = load_config(root / "configs" / "tiny-eagle3.yaml").model_dump()
+    full = load_config(root / "tests" / "fixtures" / "configs" / "tiny-eagle3-full.yaml").model_dump()
+    assert delta == full
+    assert delta["drafter"]["num_layers"] == full["drafter"]["num_layers"] != \
+        load_config(root / "configs" / "tiny.yaml").drafter.num_layers
