@@ -173,8 +173,8 @@ def cmd_run(args) -> int:
                 raise DraftflowError(storage_error_message(exc, where) + more) from None
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
-        print(f"  {s['stage']:<11} {s['status']:<7} rows {s['rows_in']:>6} -> {s['rows_out']:<6} "
-              f"dropped {dropped:<28} {s['path']}")
+        print(f"  {s['stage']:<11} {s['status']:<7} {s['rows_in']:>6} -> {s['rows_out']:<6} "
+              f"{s.get('unit', 'rows'):<13} dropped {dropped:<28} {s['path']}")
     if summary.get("target"):  # what the weights are when they are not the target's own (a GGUF target)
         print(f"target: {summary['target']}")
     tau = summary["tau"]

@@ -18,7 +18,7 @@ from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows
 from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
-from draftflow.stages.train import serve_lines
+from draftflow.stages.train import EXPORT_FORMATS, serve_lines
 from draftflow.store import Store
 from flows.common import publish_links
 from flows.deploy import gpu_slot
@@ -65,23 +65,29 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "name": cfg.name,
         "target": described_target(cfg.target.path, target_path),  # None unless a converted GGUF target
         "stages": [{"stage": s.stage, "status": s.status, "fingerprint": s.fingerprint, "path": s.path,
-                    "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "dropped": s.manifest.dropped}
-                   for s in stages],
+                    "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "unit": spec(s.stage).unit,
+                    "dropped": s.manifest.dropped} for s in stages],
         "tau": report["tau"],
         "gate": evaluated.gate,  # evaluate.gate's verdict, None without one (draftflow.gating)
         "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
-        "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in extra.get("export", {}).items()},
+        "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype),  # format -> serve line
         "report": f"{evaluated.path}/{report['report']}",
     }
+
+
+def _in_export_order(exports: dict[str, str]) -> list[tuple[str, str]]:
+    """Exports as `train.EXPORT_FORMATS` lists them, on every run (a reused manifest's JSON has its keys sorted)."""
+    rank = {fmt: i for i, fmt in enumerate(EXPORT_FORMATS)}
+    return sorted(exports.items(), key=lambda kv: (rank.get(kv[0], len(rank)), kv[0]))
 
 
 def publish_summary(cfg: RunConfig, summary: dict) -> None:
     from draftflow.gating import summary_line
 
     rows = [{"stage": s["stage"], "status": s["status"], "rows_in": s["rows_in"], "rows_out": s["rows_out"],
-             "dropped": sum(s["dropped"].values()), "path": s["path"]} for s in summary["stages"]]
+             "unit": s["unit"], "dropped": sum(s["dropped"].values()), "path": s["path"]} for s in summary["stages"]]
     create_table_artifact(table=rows, key=artifact_key(cfg.name, "pipeline"), description="stages of this run")
     create_markdown_artifact(
         key=artifact_key(cfg.name, "result"),

@@ -50,3 +50,14 @@ def test_plan_and_the_curate_flow_compute_the_same_inputs_with_token_bounds(tmp_
     states = {s["stage"]: s for s in plan(cfg, tiny_target)}
     assert states["curate"]["fingerprint"] == fp and states["curate"]["state"] == "complete"
     assert states["regenerate"]["state"] == "to run"
+
+
+def test_the_summary_names_each_stage_s_unit_and_keeps_the_export_order():
+    """Row counts mean conversations, then sequences, then prompts: the run summary says which. Exports come
+    in `train.EXPORT_FORMATS` order whether the train manifest was just written or read back (keys sorted)."""
+    from flows.pipeline import _in_export_order
+
+    assert [spec(n).unit for n in ("curate", "tokenize", "evaluate")] == ["conversations", "sequences", "prompts"]
+    assert all(s.unit for s in registry())
+    assert [f for f, _ in _in_export_order({"speculators": "b", "vllm": "a", "other": "c"})] == [
+        "vllm", "speculators", "other"]

@@ -126,6 +126,7 @@ class StageSpec:
         size: `(cfg, upstream size, sizes so far, ctx) -> size` for `plan`; None: at most its input.
         seconds: `(cfg, size, model shape, prompt tokens) -> seconds or None` for `plan`; None: unknown.
         more_inputs: `cfg -> fingerprint inputs` read outside the run's stages (evaluate: `compare_with`).
+        unit: what one of its output rows is, as the run summary names it.
     """
 
     name: str
@@ -142,6 +143,7 @@ class StageSpec:
     size: Callable[..., dict[str, Any]] | None = None
     seconds: Callable[..., float | None] | None = None
     more_inputs: Callable[[RunConfig], dict[str, str]] | None = None
+    unit: str = "rows"
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -149,20 +151,22 @@ class StageSpec:
 
 
 _REGISTRY: list[StageSpec] = [
-    StageSpec("curate", (), uses_target=False, size=_size("curate"), seconds=_seconds("curate")),
+    StageSpec("curate", (), uses_target=False, size=_size("curate"), seconds=_seconds("curate"), unit="conversations"),
     StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
               split="train", run_shard=_regenerate_shard, check=_regenerate_check,
-              libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate")),
+              libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
+              unit="conversations"),
     StageSpec("tokenize", ("regenerate",), run_shard=_tokenize_shard, finish=_tokenize_finish,
-              libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize")),
+              libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
+              unit="sequences"),
     StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
               run_shard=_extract_shard, libraries=TARGET_LIBRARIES, size=_size("extract"),
-              seconds=_seconds("extract")),
+              seconds=_seconds("extract"), unit="sequences"),
     StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node,
-              libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train")),
+              libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), unit="sequences"),
     StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
-              more_inputs=_compare_with_inputs),
+              more_inputs=_compare_with_inputs, unit="prompts"),
 ]
 
 
