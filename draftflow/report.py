@@ -19,6 +19,14 @@ def location_uri(location: str) -> str:
     return location if "://" in location else Path(location).resolve().as_uri()
 
 
+def without_relative_images(markdown: str) -> str:
+    """`markdown` (a report.md) with each relative image (`![t](plots/x.png)`, which the UI cannot load) named
+    in words instead: `plots_markdown` embeds the same plots after it."""
+    import re
+
+    return re.sub(r"!\[([^\]]*)\]\((?![a-z]+:)([^)]+)\)", r"*(plot `\2`: embedded below)*", markdown)
+
+
 def plots_markdown(stage_paths: list[str]) -> str:
     """The stages' PNG plots inlined as data URIs (the UI cannot read the run folder), else linked.
 

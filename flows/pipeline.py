@@ -13,7 +13,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
 from draftflow.export_readme import described_target
-from draftflow.report import plots_markdown
+from draftflow.report import plots_markdown, without_relative_images
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows
@@ -96,7 +96,8 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
                  + "".join(f"- export ({fmt}): `{path}`\n\n  ```\n  {summary['serve'].get(fmt, '')}\n  ```\n\n"
                            for fmt, path in summary["exports"].items())
-                 + _read_text(summary["report"]) + "\n" + plots_markdown([s["path"] for s in summary["stages"]]),
+                 + without_relative_images(_read_text(summary["report"])) + "\n"
+                 + plots_markdown([s["path"] for s in summary["stages"]]),
     )
     publish_links(cfg, {"checkpoint": summary["checkpoint"], "report": summary["report"]})
 
