@@ -109,9 +109,8 @@ def plot(evs: list[Evaluation], path: str | Path) -> Path:
     bars, curve = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     width = 0.8 / len(evs)
     for i, (e, f) in enumerate(zip(evs, per)):
-        speed = f.get("speedup (projected)")
-        label = f"[{i + 1}] {e.label}" + (f" (x{speed:.2f})" if speed is not None else "")
-        bars.bar([k + i * width for k in range(len(cats))], [f.get(c) or 0.0 for c in cats], width, label=label)
+        bars.bar([k + i * width for k in range(len(cats))], [f.get(c) or 0.0 for c in cats], width,
+                 label=legend_label(i + 1, e, f))
         tree = sorted(
             (
                 (int(n[11:]), v)
@@ -121,10 +120,15 @@ def plot(evs: list[Evaluation], path: str | Path) -> Path:
         )
         if tree:
             curve.plot([b for b, _ in tree], [v for _, v in tree], marker="o", label=f"[{i + 1}]")
+    for (name, tau), style in zip(baselines(per).items(), ("--", ":", "-.", (0, (1, 3)))):
+        bars.hlines(tau, -width / 2, 0.8 - width / 2, colors="black", linestyles=style,
+                    label=f"baseline {name}: τ {tau:.2f}")  # over "all", the prompts the baselines decoded
     bars.set_xticks([k + 0.4 - width / 2 for k in range(len(cats))], ["all" if c == "tau" else c[4:] for c in cats])
     bars.set_ylabel("mean acceptance length τ")
     bars.set_title("τ per category")
-    bars.legend(fontsize=8)
+    top = max([f.get(c) or 0.0 for f in per for c in cats] + list(baselines(per).values()) + [1.0])
+    bars.set_ylim(0, top * (1.3 + 0.06 * (len(evs) + len(baselines(per)))))  # room for the legend above the bars
+    bars.legend(fontsize=8, loc="upper left")
     curve.set_xscale("log", base=2)
     curve.set_xlabel("DDTree node budget")
     curve.set_ylabel("τ")
@@ -135,6 +139,26 @@ def plot(evs: list[Evaluation], path: str | Path) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", metadata={"Software": None})
+    return out
+
+
+def legend_label(i: int, e: Evaluation, f: Figures) -> str:
+    """`[1] tiny · dflash · 6ce8a785 (x1.93)`: the run's name, its drafter's kind, its short fingerprint and
+    projected speedup (a bare report.json: its path)."""
+    name = e.label.rsplit("/", 1)[0] if e.fingerprint and e.label.endswith(e.fingerprint) else e.label
+    kind = (((e.manifest.config if e.manifest else None) or {}).get("drafter") or {}).get("kind")
+    parts = [name, *([kind] if kind else []), *([e.fingerprint[:8]] if e.fingerprint else [])]
+    speed = f.get("speedup (projected)")
+    return f"[{i}] " + " · ".join(parts) + (f" (x{speed:.2f})" if speed is not None else "")
+
+
+def baselines(per: list[Figures]) -> dict[str, float]:
+    """Each baseline's τ (prompt lookup, no draft, ...) from the first evaluation that has it."""
+    out: dict[str, float] = {}
+    for f in per:
+        for n, v in f.items():
+            if n.startswith("tau baseline ") and v is not None:
+                out.setdefault(n.removeprefix("tau baseline "), v)
     return out
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draftflow.compare import compare, figures, table_rows
-from draftflow.evalruns import NoEvaluation, resolve
+from draftflow.compare import baselines, compare, figures, legend_label, table_rows
+from draftflow.evalruns import Evaluation, NoEvaluation, resolve
 from tests.test_gate import evaluation
 
 STATS = {"acceptance_rate": [0.5], "accept_histogram": [0, 1, 1], "steps": 2, "tokens": 4, "prompts": 1}
@@ -65,11 +65,19 @@ def test_table_of_two_report_files_shows_each_figure_and_a_dash_where_a_report_l
     assert rows["gate"] == ["-", "-"]
 
 
-def test_png_is_written(tmp_path):
+def test_png_is_written_with_baselines_and_readable_names(tmp_path):
     a, b = write(tmp_path / "a.json", NEW), write(tmp_path / "b.json", OLD)
     text = compare([a, b], png=str(tmp_path / "out" / "cmp.png"))
     png = tmp_path / "out" / "cmp.png"
     assert text.endswith(f"plot: {png}") and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert baselines([figures(OLD), figures(NEW)]) == {"no_draft": 1.0, "prompt_lookup": 1.4}
+    from draftflow.contracts import Manifest
+
+    m = Manifest(stage="evaluate", fingerprint="6ce8a7853126c3a4", code_version="c", inputs={}, shards=(),
+                 config={"drafter": {"kind": "eagle3"}}, rows_in=1, rows_out=1, dropped={}, tokens=0)
+    run = Evaluation("tiny/6ce8a7853126c3a4", "/r/evaluate/6ce8a7853126c3a4", NEW, "6ce8a7853126c3a4", m)
+    assert legend_label(2, run, figures(NEW)) == "[2] tiny · eagle3 · 6ce8a785 (x1.93)"
+    assert legend_label(1, Evaluation(a, a, OLD), figures(OLD)) == f"[1] {a}"
 
 
 def test_a_run_root_gives_each_evaluation_in_it_and_an_evaluate_folder_gives_one(tmp_path):
