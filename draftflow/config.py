@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from draftflow.config_files import read_yaml
+
 # Re-exported: the curate section has its own module (this one is at its size limit). Not inside `draftflow.data`,
 # whose modules import this one: a package on both sides of an import is a two-way tie.
 from draftflow.curate_config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
@@ -323,59 +325,13 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     origin = "defaults"
     if path is not None:
         origin = str(path)
-        data = _read_yaml(Path(path), ())
+        data = read_yaml(Path(path), (), _default_kind)
     keys = {}
     for text in overrides or []:
         key, value = parse_override(text)
         set_dotted(data, key, value)
         keys[key] = text
     return validate_config(data, origin, keys)
-
-
-def _read_yaml(p: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
-    """One config file as data, its relative source paths resolved; `base: other.yaml` (relative to this
-    file) is read first and this file's keys laid over it (sections merge, lists and values replace)."""
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p} (give a path such as configs/tiny.yaml)")
-    if p.resolve() in chain:
-        raise ConfigError(f"config file {p} is its own base (through {' -> '.join(map(str, chain))}); break the loop")
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {p} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
-                          f"{exc.start}); save it as UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {p} must hold a mapping at the top level")
-    _resolve_source_paths(data, p.parent)
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    if not isinstance(base, str):
-        raise ConfigError(f"config file {p}: base must be a file name such as tiny.yaml, not {base!r}")
-    return _merged(_read_yaml(p.parent / base, (*chain, p.resolve())), data)
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """'<problem> at line L, column C' (1-based, where the parser stopped), else the error's first line."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    if mark is None:
-        return problem
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
-
-
-def _merged(base: dict[str, Any], over: dict[str, Any], top: bool = True) -> dict[str, Any]:
-    """`over` laid over `base`: sections merge, lists and values replace; a top-level section whose `kind`
-    changes (drafter: dflash -> eagle3) is replaced, so one kind's fields never leak into another's."""
-    out = dict(base)
-    for key, value in over.items():
-        both = isinstance(value, dict) and isinstance(out.get(key), dict)
-        if both and top and "kind" in value and value["kind"] != out[key].get("kind", _default_kind(key)):
-            both = False
-        out[key] = _merged(out[key], value, top=False) if both else value
-    return out
 
 
 def _default_kind(section: str) -> Any:
@@ -395,12 +351,4 @@ def validate_config(data: dict[str, Any], origin: str, overrides: dict[str, str]
         raise ConfigError(_format_validation_error(err, f"--set {by}" if by else origin)) from None
 
 
-def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
-    """Relative local source paths are relative to the config file (else the working directory)."""
-    for src in (data.get("curate") or {}).get("sources") or []:
-        path = src.get("path") if isinstance(src, dict) else None
-        if not path or "://" in path or Path(path).is_absolute() or src.get("package"):
-            continue
-        candidate = (base / path).resolve()
-        if candidate.exists():
-            src["path"] = str(candidate)
+#END
