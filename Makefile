@@ -63,16 +63,18 @@ test-fast: $(STAMP)
 
 # The rest of `make test`: test-fast + test-slow = test (CI runs them in that order to fail fast).
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability"
+	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability" --durations=15
 
 # Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
 test-vllm: $(VSTAMP)
-	$(VLLM_ENV) $(VBIN)/python -m pytest -q -m vllm -p no:cacheprovider
+	$(VLLM_ENV) $(VBIN)/python -m pytest -q -m vllm -p no:cacheprovider --durations=15
 
-# Bad inputs, SIGKILL at 5+ points in every stage then resume, S3 faults (5xx, SlowDown, resets) through a
-# fault-injecting proxy in front of moto: tests/reliability/ (marked `reliability`; not in test/test-fast/test-slow).
+# Bad inputs, SIGKILL at 5+ points in every stage then resume, S3 faults (5xx, SlowDown, resets, a lost endpoint)
+# through a fault-injecting proxy in front of moto, signals, a lost Prefect server, full and read-only disks:
+# tests/reliability/ (marked `reliability`; not in test/test-fast/test-slow). The CI legs print their 15
+# slowest tests (--durations), so the time budget of .ci/run can be kept by looking, not guessing.
 test-reliability: $(STAMP)
-	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider
+	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check draftflow flows tasks tests benchmarks
