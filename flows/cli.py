@@ -18,8 +18,6 @@ from draftflow.errors import DraftflowError
 from flows import console
 from flows.signals import RunInterrupted, end_interrupted, interruptible
 
-STORAGE_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec")
-
 
 def _prefect_env():
     """`run`'s Prefect: the settings below, and Prefect's temporary server launched now when no
@@ -294,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"draftflow: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # storage refused: OSErrors, and botocore's errors (which are not OSErrors)
-        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in STORAGE_LIBRARIES:
+        if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in console.STORAGE_LIBRARIES:
             raise
         from draftflow.store import storage_error_message
 

@@ -33,7 +33,8 @@ class _UserErrorsWithoutTraceback(logging.Filter):
         return True
 
 
-STORAGE_CLIENTS = ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp")  # their errors are storage's
+STORAGE_LIBRARIES = ("botocore", "aiobotocore", "s3fs", "fsspec")  # their exceptions are storage's answers
+STORAGE_CLIENTS = (*STORAGE_LIBRARIES, "aiohttp")  # and, in log records, the HTTP client under them
 
 
 def _user_storage_error(exc: BaseException | None) -> bool:
