@@ -184,6 +184,9 @@ class TrainConfig(Section):
     bf16: bool = Field(True, description="bf16 autocast of the forward on CUDA (loss in fp32); ignored on CPU")
     timeout_s: float | None = Field(
         None, gt=0.0, description="torchrun launcher: kill the training processes after this many seconds")
+    collective_timeout_s: float = Field(
+        600.0, gt=0.0, description="several processes: a collective that waits longer for a peer (a node lost, a "
+        "partitioned link) fails the run; longer than the slowest checkpoint write")
 
 
 class RunnerConfig(Section):
@@ -262,7 +265,7 @@ NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device"
 # How training is spread over processes: the same global batch gives the same result up to float
 # summation order (ddp and fsdp alike), and a checkpoint resumes under any of them.
 NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoint", "train.launcher",
-                      "train.parallel", "train.timeout_s"}
+                      "train.parallel", "train.timeout_s", "train.collective_timeout_s"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

@@ -28,6 +28,7 @@ the forward on CUDA (`prepare_model`), and the torchrun command line.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import sys
@@ -57,16 +58,19 @@ class DistEnv:
         return items[self.rank :: self.world_size]
 
 
-def init_distributed(device: torch.device) -> DistEnv:
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> DistEnv:
     """Join the process group torchrun describes (WORLD_SIZE > 1); else a 1-process env.
 
     nccl on CUDA, gloo on CPU. An already initialised group (tests, notebooks) is reused.
+    `timeout_s` (`train.collective_timeout_s`) bounds every collective: a peer lost without a
+    closed connection (a partitioned link) fails the rank then, not after torch's 30 min default.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and not dist.is_initialized():
         return DistEnv()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     return DistEnv(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
 

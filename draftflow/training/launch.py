@@ -33,15 +33,11 @@ What it does not know: Prefect, stages (the spec is what the train stage passes;
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,10 +48,10 @@ from fsspec.implementations.local import LocalFileSystem
 from draftflow.config import TrainConfig
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.training.distributed import torchrun_command
+from draftflow.training.supervise import AGENT_GRACE_S, AGENT_KILLED, run_streaming
 
 log = logging.getLogger(__name__)
 LAUNCH_DIR = "launch"
-TAIL_LINES = 20
 
 
 class TrainingCrashed(RuntimeError):
@@ -104,7 +100,7 @@ def launch_training(spec: dict[str, Any], tcfg: TrainConfig, work: str) -> dict[
         where = "" if exchange.remote else f", with {work} reachable there (a shared filesystem)"
         log.info("multi-node training: run on every other node%s: %s", where, " ".join(cmd))
     log_path = folder / "torchrun.log"
-    rc, tail = _run_streaming(cmd, log_path, tcfg.timeout_s)
+    rc, tail = run_streaming(cmd, log_path, tcfg.timeout_s, failed=lambda: bool(exchange.errors()))
     if rc != 0:
         raise _failure(rc, exchange, log_path, tail, tcfg)
     result = exchange.read_json("result.json")
@@ -169,56 +165,6 @@ class Exchange:
                 self.fs.get_file(p, str(Path(work) / p.rstrip("/").rsplit("/", 1)[-1]))
 
 
-def _run_streaming(cmd: list[str], log_path: Path, timeout_s: float | None) -> tuple[int, list[str]]:
-    """Run `cmd` in its own process group; copy its output to `log_path` and the logger.
-
-    Returns (exit code, or -1 after a timeout; the last lines). The group is killed on a
-    timeout and when the parent is interrupted (a cancelled flow run leaves no trainers).
-    """
-    env = os.environ | {"PYTHONUNBUFFERED": "1"}
-    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; 2-core CI would thrash without it
-    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-    with open(log_path, "a") as logf:
-        logf.write(f"$ {' '.join(cmd)}\n")
-        logf.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                start_new_session=True)
-        reader = threading.Thread(target=_copy_lines, args=(proc.stdout, logf, tail), daemon=True)
-        reader.start()
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            rc = -1
-        except BaseException:
-            _kill_group(proc)
-            raise
-        reader.join(timeout=30)
-    return rc, list(tail)
-
-
-def _copy_lines(stream, logf, tail) -> None:
-    for line in stream:
-        logf.write(line)
-        logf.flush()
-        tail.append(line.rstrip())
-        log.info("%s", line.rstrip())
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun's process group (torchrun forwards it to the ranks), then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _failure(rc: int, folder: Path | Exchange, log_path: Path, tail: list[str], tcfg: TrainConfig) -> Exception:
     """The one-line error for a failed launch, from the rank that failed first (on any node).
 
@@ -238,7 +184,9 @@ def _failure(rc: int, folder: Path | Exchange, log_path: Path, tail: list[str], 
     else:
         last = next((line for line in reversed(tail) if line.strip()), "no output")
         what, kind = f"no rank reported an error (killed?); last output: {last}", TrainingCrashed
-    return kind(f"training under torchrun failed with exit code {rc} ({what}); full log: {log_path}")
+    how = (f"torchrun, still running {AGENT_GRACE_S:g} s after a rank failed, was killed" if rc == AGENT_KILLED
+           else f"exit code {rc}")
+    return kind(f"training under torchrun failed ({how}; {what}); full log: {log_path}")
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> Path:
@@ -323,7 +271,7 @@ def _align_checkpoints(store, cfg, mirror: str, out: str) -> None:
     from draftflow.training.distributed import init_distributed
     from draftflow.training.mirror import align_with_store
 
-    init_distributed(torch.device(resolve_device(cfg.train.device)))  # train_drafter reuses the group
+    init_distributed(torch.device(resolve_device(cfg.train.device)), cfg.train.collective_timeout_s)  # training's
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         align_with_store(store, mirror, out)
     _barrier()

@@ -160,7 +160,7 @@ def _step_record(stats: list[LossStats], w_total: float, n_slots: int, skipped: 
 def _run_meta(samples: list[FeatureSample], dcfg, tcfg: TrainConfig, draft_vocab=None) -> dict:
     """What a checkpoint must agree with to be resumed (device and cadence may change)."""
     launch = {"device", "checkpoint_every", "nproc_per_node", "nnodes", "rdzv_endpoint", "launcher", "parallel",
-              "timeout_s"}
+              "timeout_s", "collective_timeout_s"}
     train = tcfg.model_dump(mode="json", exclude=launch)  # the global batch, not its split
     ids = hashlib.sha256("\n".join(_sample_ids(samples)).encode()).hexdigest()
     meta = {"drafter": dcfg.to_dict(), "train": train, "samples": {"count": len(samples), "ids_sha256": ids}}
@@ -220,7 +220,7 @@ def train_drafter(
     if not samples:
         raise ConfigError("no training samples: the extract stage produced no features")
     device = torch.device(resolve_device(tcfg.device))
-    env = init_distributed(device)
+    env = init_distributed(device, tcfg.collective_timeout_s)
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
