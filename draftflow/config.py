@@ -205,6 +205,9 @@ class RunnerConfig(Section):
         1.0, ge=0.0, description="Ray num_gpus of each gpu-tagged task (a vLLM tensor-parallel group: its size); "
         "0 on CPU-only clusters")
     cpus_per_task: int = Field(1, ge=1, description="Ray num_cpus of each task (also its torch/OpenMP threads)")
+    node_wait_s: float | None = Field(
+        600.0, gt=0.0, description="Ray: stop the run in one line when no alive node can take a stage's tasks "
+        "for this long (nodes lost, none joined); null = wait for one (an autoscaler adds it)")
     max_workers: int | None = Field(
         None, ge=1, description="threads per stage flow (kind=thread); null = one per core for curate, "
         "Prefect's default elsewhere")

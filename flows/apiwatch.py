@@ -14,20 +14,18 @@ What it does not know: stages, stores, or which server it is (the CLI's temporar
 
 from __future__ import annotations
 
-import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from draftflow.errors import DraftflowError
+from flows.signals import stop_run
 
 CHECK_S = 10.0  # at start: how long a run waits for PREFECT_API_URL to answer
 LOST_AFTER_S = 30.0  # mid-run: no answer for this long and the run stops (env DRAFTFLOW_API_LOST_AFTER_S)
 POLL_S = 2.0
-UNWIND_S = 5.0  # after training stopped: how long the main thread gets to end the run by itself
 
 
 def check_reachable(url: str, timeout: float = CHECK_S) -> None:
@@ -80,7 +78,7 @@ def watching(url: str | None, lost_after: float | None = None) -> Iterator[None]
         while not done.wait(POLL_S):
             why = _ask(url, lost_after)
             if why is not None and not done.is_set():
-                _stop(f"the Prefect API at {url} stopped answering for {lost_after:g} s ({why})")
+                stop_run(f"the Prefect API at {url} stopped answering for {lost_after:g} s ({why})")
                 return
 
     thread = threading.Thread(target=watch, name="draftflow-api-watch", daemon=True)
@@ -89,17 +87,3 @@ def watching(url: str | None, lost_after: float | None = None) -> Iterator[None]
         yield
     finally:
         done.set()
-
-
-def _stop(why: str) -> None:
-    """Stop the run as a SIGTERM does (training checkpoints its step), then end the process in one line
-    without waiting for Prefect's unwinding, which waits on the lost API (retries, minutes)."""
-    from draftflow import interrupt
-    from flows.signals import STOP_GRACE_S, end_now, stop_line
-
-    interrupt.request(why)
-    logging.disable(logging.CRITICAL)  # Prefect's client and workers now log each failed call to the API
-    os.kill(os.getpid(), signal.SIGTERM)
-    interrupt.wait_stoppable(STOP_GRACE_S)
-    time.sleep(UNWIND_S)  # the main thread may still end by itself (the same line, from end_interrupted)
-    end_now(stop_line(why), 2)

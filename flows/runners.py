@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from typing import Any
 
 from prefect.context import FlowRunContext
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 # (Ray's default takes 30% of RAM in /dev/shm).
 LOCAL_OBJECT_STORE_BYTES = 256 << 20
 CONNECT_TIMEOUT_S = 5.0
+NODE_POLL_S = 2.0  # node_watch: how often it asks the cluster which nodes are alive
 
 
 def _prefect_ray():
@@ -102,10 +106,16 @@ def _init_ray(address: str | None) -> None:
         kwargs["object_store_memory"] = LOCAL_OBJECT_STORE_BYTES
     elif address != "auto":
         _check_reachable(address)
+    term = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address, **kwargs)
     except Exception as exc:  # ConnectionError, RuntimeError, ValueError: all mean "no cluster there"
         raise ConfigError(_connect_error(address, exc)) from None
+    finally:
+        # ray.init installs a C++ handler for SIGTERM that prints a stack and kills the process at once: the
+        # run's own (flows.signals) must stay, to stop in one line with the lease released.
+        if term is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, term)
 
 
 def _connect_error(address: str | None, exc: BaseException) -> str:
@@ -127,6 +137,58 @@ def _connect_error(address: str | None, exc: BaseException) -> str:
                 "the run starts (Ray reads it once per process)")
     first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return f"runner.ray_address={address!r}: cannot connect to Ray ({first}: {why[:300]})"
+
+
+@contextlib.contextmanager
+def node_watch(runner: RunnerConfig, stage: str, gpu: bool) -> Iterator[None]:
+    """While a stage's tasks may run on Ray: stop the run (`flows.signals.stop_run`) when for
+    `runner.node_wait_s` no alive node has the CPUs (and GPUs) one task asks for.
+
+    Ray retries the tasks of a lost node on another one, and waits for a node when none fits: on
+    a fixed cluster that lost its only worker (killed, or cut off until its raylet is declared
+    dead) the run would wait forever. A warning line says when the wait starts.
+    """
+    import ray
+
+    need = {"CPU": float(runner.cpus_per_task), "GPU": runner.gpus_per_task if gpu else 0.0}
+    done = threading.Event()
+
+    def fits() -> bool:
+        try:
+            nodes = ray.nodes()
+        except Exception:  # noqa: BLE001  (the head cannot answer: no node can be counted on)
+            return False
+        return any(n.get("Alive") and all(n.get("Resources", {}).get(k, 0.0) >= v for k, v in need.items() if v)
+                   for n in nodes)
+
+    def watch() -> None:
+        from flows.signals import stop_run
+
+        since = None
+        while not done.wait(NODE_POLL_S):
+            if fits():
+                since = None
+                continue
+            now = time.monotonic()
+            if since is None:
+                since = now
+                log.warning("%s: no alive Ray node can run a task (%s); waiting up to runner.node_wait_s=%g s for "
+                            "one to join", stage, _asks(need), runner.node_wait_s)
+            elif now - since >= runner.node_wait_s and not done.is_set():
+                stop_run(f"{stage}: no alive Ray node could run a task ({_asks(need)}) for runner.node_wait_s="
+                         f"{runner.node_wait_s:g} s; start a worker node (ray start --address=<head>)")
+                return
+
+    if runner.node_wait_s is not None:
+        threading.Thread(target=watch, name=f"draftflow-ray-nodes-{stage}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def _asks(need: dict[str, float]) -> str:
+    return " and ".join(f"{v:g} {k}" for k, v in need.items() if v)
 
 
 def task_runner_for(cfg: RunConfig, stage: str, default_workers: int | None = None) -> TaskRunner:
@@ -194,6 +256,8 @@ class StageTaskRunner(TaskRunner):
                 cfg = _flow_config() or RunConfig()
                 self._runner = cfg.runner
                 self._inner = self._exits.enter_context(task_runner_for(cfg, self.stage, self.max_workers))
+                if self._runner.kind == "ray" and self.stage in self._runner.stages and self._runner.ray_address:
+                    self._exits.enter_context(node_watch(self._runner, self.stage, spec(self.stage).gpu == "shards"))
         return self._inner
 
     def _placement(self, task) -> contextlib.AbstractContextManager:

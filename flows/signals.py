@@ -29,6 +29,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 STOP_GRACE_S = 30.0  # how long an interrupted run waits for training to write its checkpoint
+UNWIND_S = 5.0  # stop_run, after training stopped: how long the main thread gets to end the run by itself
 
 
 def interruptible(fn, *args):
@@ -85,6 +86,22 @@ def stop_line(why: str) -> str:
     where = interrupt.stopped_at()
     return (f"draftflow: error: {why}; the run stopped{f' at {where}' if where else ''}; finished stages and "
             "shards are kept: re-run the same command to resume once that is fixed")
+
+
+def stop_run(why: str) -> None:
+    """From a watcher thread: stop the run as a SIGTERM does (training checkpoints its step), then end the
+    process in one line naming `why`, without waiting for Prefect's unwinding (which may wait on what was
+    lost: the API's retries, a Ray task that no node can run)."""
+    import signal
+
+    from draftflow import interrupt
+
+    interrupt.request(why)
+    logging.disable(logging.CRITICAL)  # Prefect's client and workers now log each failed call
+    os.kill(os.getpid(), signal.SIGTERM)
+    interrupt.wait_stoppable(STOP_GRACE_S)
+    time.sleep(UNWIND_S)  # the main thread may still end by itself (the same line, from end_interrupted)
+    end_now(stop_line(why), 2)
 
 
 def end_now(line: str, code: int) -> None:

@@ -100,16 +100,21 @@ def arm_call(module: str, name: str, n: int, marker: str) -> None:
     setattr(mod, name, call)
 
 
+def arm(point: str, root: str, marker: str) -> None:
+    """Arm `point` (`file:…` relative to the run root `root`, or `call:…`) in this process."""
+    kind, *spec = point.split(":")
+    if kind == "file":
+        _arm_file(spec[0], int(spec[1]), root, marker)
+    else:
+        arm_call(spec[0], spec[1], int(spec[2]), marker)
+
+
 def main(argv: list[str]) -> int:
     point, marker, sep, *cli = argv
     assert sep == "--", "usage: killable <kill point> <marker> -- <cli args>"
     root = next(a.split("root=", 1)[1] for a in reversed(cli) if a.removeprefix("--set=").startswith("root="))
     if point != "-":
-        kind, *spec = point.split(":")
-        if kind == "file":
-            _arm_file(spec[0], int(spec[1]), root, marker)
-        else:
-            arm_call(spec[0], spec[1], int(spec[2]), marker)
+        arm(point, root, marker)
     from flows.cli import main as cli_main
 
     return cli_main(cli)

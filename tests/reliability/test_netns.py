@@ -17,19 +17,14 @@ command the train stage logs for the other nodes; node A runs the train stage (t
 
 Needs root and `ip` (netns, veth); skipped otherwise. Nodes know their address on the link from
 torchrun's `PET_LOCAL_ADDR` and gloo's `GLOO_SOCKET_IFNAME` (docs/operations.md): this host's name
-resolves to 127.0.0.1, which is no address of the other node. About 4 min on 2 cores.
+resolves to 127.0.0.1, which is no address of the other node. About 2.5 min on 2 cores.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -42,85 +37,14 @@ from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
 from draftflow.training.supervise import AGENT_GRACE_S
-from tests.conftest import ROOT, run_front, tiny_config
+from tests.conftest import run_front, tiny_config
+from tests.reliability.netns import ADDR, Hosts, two_hosts, wait_listening
 from tests.test_multinode import _assert_same_weights, _weights
 
-ADDR = {"a": "10.213.0.1", "b": "10.213.0.2"}
 TRAIN = ["train.max_steps=6", "train.batch_size=3", "train.checkpoint_every=2", "train.num_anchors=8"]
 COLLECTIVE_S = 20  # train.collective_timeout_s of the two-node runs
 DEADLINE_S = 600  # a node that has not ended by then hangs: generous for a loaded 2-core machine
 pytestmark = pytest.mark.reliability
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=60)
-
-
-class Hosts:
-    """Two network namespaces joined by a veth pair; each end is named after its namespace."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100000
-        self.ns = {h: f"df{h}{tag}" for h in ADDR}
-
-    def create(self) -> None:
-        a, b = self.ns["a"], self.ns["b"]
-        _ip("netns", "add", a)
-        _ip("netns", "add", b)
-        _ip("link", "add", a, "type", "veth", "peer", "name", b)
-        for h, ns in self.ns.items():
-            _ip("link", "set", ns, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{ADDR[h]}/24", "dev", ns)
-            _ip("-n", ns, "link", "set", ns, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-
-    def link(self, up: bool) -> None:
-        _ip("-n", self.ns["a"], "link", "set", self.ns["a"], "up" if up else "down")
-
-    def pids(self, h: str) -> list[int]:
-        run = subprocess.run(["ip", "netns", "pids", self.ns[h]], capture_output=True, text=True, timeout=60)
-        return [int(p) for p in run.stdout.split()]
-
-    def kill(self, h: str) -> None:
-        """SIGKILL every process in host `h` (the node is lost), then wait until none is left."""
-        deadline = time.monotonic() + DEADLINE_S
-        while pids := self.pids(h):
-            assert time.monotonic() < deadline, f"processes left in {self.ns[h]}: {pids}"
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.2)  # polling until the kernel has reaped them
-
-    def destroy(self) -> None:
-        for h, ns in self.ns.items():
-            self.kill(h)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=60)
-
-    def start(self, h: str, cmd: list[str], log: Path, **env: str) -> subprocess.Popen:
-        """`cmd` in host `h`, its output appended to `log`."""
-        env = os.environ | {"PET_LOCAL_ADDR": ADDR[h], "GLOO_SOCKET_IFNAME": self.ns[h], "OMP_NUM_THREADS": "1",
-                            "PYTHONUNBUFFERED": "1", **env}
-        with open(log, "a") as out:
-            return subprocess.Popen(["ip", "netns", "exec", self.ns[h], *cmd], cwd=ROOT, env=env, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-
-
-@contextmanager
-def two_hosts():
-    if os.geteuid() != 0 or not shutil.which("ip"):
-        pytest.skip("needs root and iproute2 (`ip netns`, veth) to build the two hosts")
-    hosts = Hosts()
-    try:
-        hosts.create()
-    except subprocess.CalledProcessError as exc:
-        hosts.destroy()
-        pytest.skip(f"no network namespaces here: {exc.stderr.strip()}")
-    try:
-        yield hosts
-    finally:
-        hosts.destroy()
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +74,7 @@ class Run:
         cmd.insert(cmd.index("-m", 3), "--rdzv-conf=is_host=1")
         self.b = hosts.start("b", cmd, self.logs["b"], DRAFTFLOW_CACHE=str(prepared["root"].parent / "cache-b"),
                              **b_env)
-        _wait_listening(self.b, port)
+        wait_listening(self.b, port)
         overrides = [*TRAIN, "train.nnodes=2", f"train.rdzv_endpoint={endpoint}",
                      f"train.collective_timeout_s={COLLECTIVE_S}"]
         self.a = hosts.start("a", [sys.executable, "-m", "tests.reliability.netnode", str(prepared["root"]), "fp-net",
@@ -174,18 +98,6 @@ class Run:
 
     def output(self) -> str:
         return "\n".join(f"--- node {h}:\n{log.read_text()[-3000:]}" for h, log in self.logs.items())
-
-
-def _wait_listening(proc: subprocess.Popen, port: int) -> None:
-    """Until something in `proc`'s namespace listens on `port` (its /proc/<pid>/net/tcp*: that namespace's)."""
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline and proc.poll() is None:
-        for table in ("tcp", "tcp6"):
-            rows = Path(f"/proc/{proc.pid}/net/{table}").read_text().splitlines()[1:]
-            if any(r.split()[3] == "0A" and int(r.split()[1].rsplit(":", 1)[1], 16) == port for r in rows):
-                return
-        time.sleep(0.1)  # polling a condition, not waiting a fixed time
-    raise AssertionError(f"node B never listened on {port}")
 
 
 def test_a_cut_link_and_a_lost_node_end_in_one_line_and_the_rerun_resumes_to_the_same_weights(prepared):
