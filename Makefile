@@ -12,7 +12,7 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-fast test-slow test-vllm test-reliability lint server clean rehearsal
+.PHONY: demo test test-fast test-slow test-vllm test-reliability test-reliability-a test-reliability-b lint server clean rehearsal
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -75,6 +75,15 @@ test-vllm: $(VSTAMP)
 # slowest tests (--durations), so the time budget of .ci/run can be kept by looking, not guessing.
 test-reliability: $(STAMP)
 	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15
+
+# .ci/run's two lanes split the reliability suite by file: RELIABILITY_B runs beside the vLLM leg, the rest
+# (a new file too) beside test-slow. Together they are test-reliability, each test once.
+RELIABILITY_B := tests/reliability/test_s3_faults.py tests/reliability/test_prefect_lost.py \
+	tests/reliability/test_netns.py tests/reliability/test_storage_faults.py
+test-reliability-a: $(STAMP)
+	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15 $(addprefix --ignore=,$(RELIABILITY_B))
+test-reliability-b: $(STAMP)
+	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15 $(RELIABILITY_B)
 
 lint: $(STAMP)
 	$(BIN)/ruff check draftflow flows tasks tests benchmarks

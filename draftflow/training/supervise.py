@@ -22,7 +22,8 @@ log = logging.getLogger("draftflow.training.launch")  # the launch's lines, as b
 
 TAIL_LINES = 20
 WATCH_EVERY_S = 2.0  # how often a launch checks its deadline and the ranks' error files
-AGENT_GRACE_S = 60.0  # torchrun's time to exit once a rank failed, before its process group is killed
+# torchrun's time to exit once a rank failed, before its process group is killed (env DRAFTFLOW_AGENT_GRACE_S)
+AGENT_GRACE_S = float(os.environ.get("DRAFTFLOW_AGENT_GRACE_S", "60"))
 AGENT_KILLED = -2  # run_streaming's exit code then
 
 

@@ -9,7 +9,7 @@ command the train stage logs for the other nodes; node A runs the train stage (t
 
 1. Link cut while both ranks are in step 3's collectives: each rank fails after
    `train.collective_timeout_s`, and node A's torchrun agent, which then waits on the rendezvous store
-   behind the cut link for minutes, is ended `AGENT_GRACE_S` later: one line, no process left.
+   behind the cut link for minutes, is ended `DRAFTFLOW_AGENT_GRACE_S` later: one line, no process left.
 2. Node B killed in step 5: node A fails in one line (its peer's connections close), nothing left.
 3. Link back, both nodes started again: they resume at step 4 and end with the weights of a one-node
    run with the same global batch (test_multinode's comparison), so neither fault trained on anything
@@ -36,13 +36,13 @@ from draftflow.stages import train as train_stage
 from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
-from draftflow.training.supervise import AGENT_GRACE_S
 from tests.conftest import run_front, tiny_config
 from tests.reliability.netns import ADDR, Hosts, two_hosts, wait_listening
 from tests.test_multinode import _assert_same_weights, _weights
 
 TRAIN = ["train.max_steps=6", "train.batch_size=3", "train.checkpoint_every=2", "train.num_anchors=8"]
 COLLECTIVE_S = 20  # train.collective_timeout_s of the two-node runs
+GRACE_S = 15  # node A's DRAFTFLOW_AGENT_GRACE_S (60 by default): a torchrun agent left waiting is ended then
 DEADLINE_S = 600  # a node that has not ended by then hangs: generous for a loaded 2-core machine
 pytestmark = pytest.mark.reliability
 
@@ -79,7 +79,8 @@ class Run:
                      f"train.collective_timeout_s={COLLECTIVE_S}"]
         self.a = hosts.start("a", [sys.executable, "-m", "tests.reliability.netnode", str(prepared["root"]), "fp-net",
                                    str(prepared["features"]), *overrides], self.logs["a"],
-                             DRAFTFLOW_CACHE=str(prepared["root"].parent / "cache-a"))
+                             DRAFTFLOW_CACHE=str(prepared["root"].parent / "cache-a"),
+                             DRAFTFLOW_AGENT_GRACE_S=str(GRACE_S))
 
     def wait_for_checkpoint(self, root: Path, step: int) -> None:
         done = Path(train_stage.work_dir(Store(str(root)), "fp-net")) / "checkpoints" / f"step_{step:08d}"
@@ -111,7 +112,7 @@ def test_a_cut_link_and_a_lost_node_end_in_one_line_and_the_rerun_resumes_to_the
         go.touch()
         rc, last, took = run.end_of_a()
         assert rc == 1 and last.startswith("draftflow: error: training under torchrun failed"), run.output()
-        assert took < COLLECTIVE_S + AGENT_GRACE_S + 120, (took, run.output())  # not torchrun's minutes
+        assert took < COLLECTIVE_S + GRACE_S + 120, (took, run.output())  # not torchrun's minutes
         assert hosts.pids("a") == [], "node A's run left processes behind"
         hosts.kill("b")
         hosts.link(up=True)

@@ -38,7 +38,7 @@ pytest.importorskip("prefect_ray")
 RAY = str(Path(sys.executable).parent / "ray")
 HEAD = f"{ADDR['a']}:6379"
 PREFECT_PORT = 4200
-NODE_WAIT_S = 20  # runner.node_wait_s of the disturbed runs
+NODE_WAIT_S = 10  # runner.node_wait_s of the disturbed runs
 HOLD = "file:tokenize/*/train-*.parquet:1"  # the first tokenize shard each worker process commits
 NODE = ["--block", "--disable-usage-stats", "--num-gpus=0", f"--object-store-memory={100 << 20}"]
 
