@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from draftflow.config import TrainConfig
+from draftflow.drafters.batches import step_indices
 from draftflow.feature_stream import FeatureReader
 from draftflow.features import FeatureSample, FeatureShard, write_feature_shard
-from draftflow.training.batches import step_indices
 
 BLOCK = 8 << 20
 TRAIN_BATCH = 8  # sequences per step in the read order

@@ -65,7 +65,7 @@ def test_real_stages_see_their_own_code_and_not_the_trainer():
     train = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.train")}
     assert {"data/filters.py", "data/dedup.py", "stages/curate.py"} <= curate
     assert not any(p.startswith(("models/", "training/")) for p in curate)
-    assert {"training/loop.py", "training/job.py", "training/batches.py", "models/dflash.py",
+    assert {"training/loop.py", "training/job.py", "drafters/batches.py", "models/dflash.py",
             "stages/train.py"} <= train
 
 

@@ -13,6 +13,7 @@ from transformers import Qwen3ForCausalLM
 
 from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig, load_config
 from draftflow.drafters import dflash as dflash_kind
+from draftflow.drafters.eagle3 import draft_vocab
 from draftflow.errors import ConfigError
 from draftflow.evaluation.ddtree import (
     PLOT,
@@ -34,7 +35,6 @@ from draftflow.evaluation.decode import capture_taps, greedy_generate, speculati
 from draftflow.evaluation.summary import console_lines, headline
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
-from draftflow.stages.tokenize import draft_vocab
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B, greedy_samples
 

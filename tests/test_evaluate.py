@@ -8,7 +8,9 @@ import torch
 import draftflow.evaluation.decode as ev
 from draftflow import layers
 from draftflow.config import EvaluateConfig, TrainConfig
+from draftflow.drafters import batches
 from draftflow.drafters import dflash as dflash_kind
+from draftflow.drafters.batches import make_block_batch
 from draftflow.drafters.dflash import draft_block
 from draftflow.errors import LosslessError
 from draftflow.evaluation.alignment import alignment_report, slot_alignment
@@ -20,8 +22,6 @@ from draftflow.evaluation.decode import (
     speculative_generate,
 )
 from draftflow.models.dflash import DFlashDrafter
-from draftflow.training import batches
-from draftflow.training.batches import make_block_batch
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B, greedy_samples
 from tests.mutants import put_back

@@ -1,4 +1,5 @@
-"""Imports form no circles: the import graph of draftflow, flows and tasks is acyclic.
+"""Imports form no circles and point down: the import graph of draftflow, flows and tasks is acyclic,
+and no module imports from a layer above its own (`LAYERS`, the one place the order is written).
 
 Every `import` and `from ... import` statement counts, at module level or inside a function
 (a function-level import only hides a circle until that function runs). A name is resolved
@@ -122,6 +123,54 @@ def test_the_cycle_finder_finds_function_level_and_relative_cycles(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.sub.c", "pkg.a"]]
     (pkg / "sub/c.py").write_text("import os\nimport pkg\n")  # the package itself, no module of the cycle
     assert cycles(import_graph(tmp_path, ("pkg",))) == []
+
+
+# The layers, lowest first: a module imports from its own layer and those below, never from one above.
+# Each subpackage of draftflow is a layer, with the top-level modules that build on it (export on models);
+# any other top-level module of draftflow (errors, config, store, contracts, ...) is the base layer below
+# them all, so a new one starts there. Adding a drafter kind adds to `drafters`; a stage, to `stages`.
+LAYERS = (
+    ("chat", ("draftflow.chat",)),
+    ("engines", ("draftflow.engines", "draftflow.capture", "draftflow.dialogs", "draftflow.vllm_serve")),
+    ("data", ("draftflow.data",)),
+    ("models", ("draftflow.models", "draftflow.export", "draftflow.export_eagle3")),
+    ("drafters", ("draftflow.drafters", "draftflow.estimate")),
+    ("training", ("draftflow.training",)),
+    ("evaluation", ("draftflow.evaluation",)),
+    ("stages", ("draftflow.stages",)),
+    # what a run's results say, and the plan before it: read by the CLI
+    ("runs", ("draftflow.runstate", "draftflow.runinfo", "draftflow.evalruns", "draftflow.compare", "draftflow.gating",
+              "draftflow.plan")),
+    ("tasks", ("tasks",)),
+    ("flows", ("flows",)),
+)
+
+
+def layer_of(module: str) -> int:
+    """`module`'s index in `LAYERS` plus one (0: draftflow's base layer)."""
+    for i, (_, prefixes) in enumerate(LAYERS, start=1):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return 0
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    names = ["base", *(name for name, _ in LAYERS)]
+    return [f"{a} ({names[layer_of(a)]}) imports {b} ({names[layer_of(b)]})"
+            for a in sorted(graph) for b in sorted(graph[a]) if layer_of(b) > layer_of(a)]
+
+
+def test_imports_point_down_the_layers():
+    found = upward_imports(import_graph())
+    assert not found, "imports from a higher layer:\n" + "\n".join("  " + f for f in found)
+
+
+def test_the_layer_check_catches_an_upward_import():
+    graph = import_graph()
+    assert upward_imports(graph) == [] and "draftflow.drafters.eagle3" in graph
+    graph = {**graph, "draftflow.models.eagle3": graph["draftflow.models.eagle3"] | {"draftflow.drafters.spec"}}
+    assert upward_imports(graph) == ["draftflow.models.eagle3 (models) imports draftflow.drafters.spec (drafters)"]
+    assert layer_of("draftflow.errors") == 0 < layer_of("draftflow.chat.render") < layer_of("flows.cli")
 
 
 def test_no_module_is_over_400_lines():

@@ -9,11 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
-from draftflow.errors import ConfigError, DraftflowError
-from draftflow.evaluation.decode import capture_taps
-from draftflow.features import FeatureSample
-from draftflow.training import batches
-from draftflow.training.batches import (
+from draftflow.drafters import batches
+from draftflow.drafters.batches import (
     IGNORE,
     build_training_batch,
     make_block_batch,
@@ -21,9 +18,12 @@ from draftflow.training.batches import (
     step_indices,
     warmup_cosine,
 )
+from draftflow.drafters.objectives import default_gamma, dflash_loss, slot_weights
+from draftflow.errors import ConfigError, DraftflowError
+from draftflow.evaluation.decode import capture_taps
+from draftflow.features import FeatureSample
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import train_drafter
-from draftflow.training.objectives import default_gamma, dflash_loss, slot_weights
 from tests.conftest import MASK_ID, B, preempt_training
 from tests.mutants import put_back
 
@@ -275,7 +275,7 @@ def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, sampl
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, target, samples, dcfg):
-    import draftflow.training.objectives as objectives
+    import draftflow.drafters.objectives as objectives
 
     real_loss, calls = objectives.dflash_loss, []
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from draftflow.config import DrafterConfig
+from draftflow.drafters.batches import IGNORE, build_training_batch, sampled_vocab
+from draftflow.drafters.objectives import DFlashObjective
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.models.weights import init_from_target_layers
-from draftflow.training.batches import IGNORE, build_training_batch, sampled_vocab
 from draftflow.training.loop import Vocab, train_drafter
-from draftflow.training.objectives import DFlashObjective
 from tests.conftest import MASK_ID, greedy_samples
 from tests.test_train import tcfg, weights
 

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from draftflow.config import DrafterConfig, RunConfig
+from draftflow.drafters.objectives import DFlashObjective
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.drafters.taps import TAP_RULES
 from draftflow.export import EXPORT_FILES, MODELING_NAME, export_speculators, export_vllm_dflash
 from draftflow.models.attention import block_attention_mask
 from draftflow.models.dflash import DFlashDrafter
 from draftflow.models.dflash_config import DFlashConfig
-from draftflow.training.objectives import DFlashObjective
+from draftflow.models.taps import TAP_RULES
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> DFlashConfig:

@@ -8,18 +8,19 @@ target's final normed state (soft targets); training chooses a draft vocabulary 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
 
 from draftflow.config import DrafterConfig, RunConfig
+from draftflow.drafters.objectives import Eagle3Objective
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.drafters.taps import TAP_RULES
 from draftflow.errors import ConfigError
 from draftflow.export import EXPORT_FILES
 from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain
-from draftflow.training.objectives import Eagle3Objective
+from draftflow.models.taps import TAP_RULES
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> Eagle3Config:
@@ -118,3 +119,23 @@ SPEC = DrafterSpec(
     "(soft targets)",
     drafting=lambda d: f"EAGLE-3 chain of {d.ttt_steps} drafts per step",
 )
+
+
+def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list[bool]]:
+    """EAGLE-3 draft vocabulary: the top-n supervised tokens (ties by id), in id order.
+
+    Returns:
+        d2t (n,) with `used[i] = i + d2t[i]`, and t2d (vocab_size,) True for used tokens.
+        When fewer than n tokens were seen, the lowest unused ids fill the rest.
+    """
+    n = min(n, vocab_size)
+    ranked = [t for t, _ in sorted(freq.items(), key=lambda tc: (-tc[1], tc[0])) if t < vocab_size][:n]
+    chosen = set(ranked)
+    filler = (t for t in range(vocab_size) if t not in chosen)
+    while len(chosen) < n:
+        chosen.add(next(filler))
+    used = sorted(chosen)
+    t2d = [False] * vocab_size
+    for t in used:
+        t2d[t] = True
+    return [t - i for i, t in enumerate(used)], t2d

@@ -1,17 +1,17 @@
 """The drafter registry: one `DrafterSpec` per `drafter.kind`.
 
-Adding a kind is one module in this package (its spec), its tap rule in `draftflow.drafters.taps`,
+Adding a kind is one module in this package (its spec), its tap rule in `draftflow.models.taps`,
 and one entry in `DRAFTERS`. Everything that used to branch on the kind (the training config, model
 and objective, evaluate's proposer, exports, the plan's cost model) looks the spec up here; tap ids
-are resolved by `draftflow.drafters.taps.feature_ids` (kept apart so extract's code stays small).
+are resolved by `draftflow.models.taps.feature_ids` (kept apart so extract's code stays small).
 """
 
 from __future__ import annotations
 
 from draftflow.drafters import dflash, eagle3
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.drafters.taps import check_drafter, feature_ids, tap_rule
 from draftflow.errors import ConfigError
+from draftflow.models.taps import check_drafter, feature_ids, tap_rule
 
 DRAFTERS: dict[str, DrafterSpec] = {s.kind: s for s in (dflash.SPEC, eagle3.SPEC)}
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from draftflow.config import DrafterConfig, RunConfig, TrainConfig
-from draftflow.drafters.taps import TapRule
+from draftflow.models.taps import TapRule
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class DrafterSpec:
         kind: the `drafter.kind` value; title: its name in reports and export READMEs.
         architecture: the `architecture` a checkpoint's config.json records (chooses `model` on load).
         model: the drafter module class; `model.load(folder, target_model)` loads a checkpoint.
-        taps: the kind's tap rule (`draftflow.drafters.taps.TAP_RULES`).
+        taps: the kind's tap rule (`draftflow.models.taps.TAP_RULES`).
         draft_vocab: training chooses a draft vocabulary from tokenize's token counts.
         config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
         build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.

@@ -4,7 +4,7 @@ A drafter trained with labels shifted by one (slot k learning token a+k+1, a kno
 still accepts tokens on repetitive text, where a token often equals its neighbour, so its
 tau can look plausible and even beat an untrained drafter. This check separates it from a
 correct one on the same data: run the drafter on teacher-forced blocks (the training layout,
-`draftflow.training.batches.make_block_batch`) at every anchor of known sequences, and count,
+`draftflow.drafters.batches.make_block_batch`) at every anchor of known sequences, and count,
 only at positions where the tokens at a+k-1, a+k and a+k+1 all differ, how often slot k's
 greedy draft equals each of them. A correctly trained drafter matches offset 0 most;
 one trained on shifted labels matches offset +1 most.
@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from draftflow.drafters.batches import make_block_batch
 from draftflow.evaluation.decode import RoundFn, capture_taps
 from draftflow.features import FeatureSample
 from draftflow.models.dflash import DFlashDrafter
-from draftflow.training.batches import make_block_batch
 
 OFFSETS = (-1, 0, 1)
 # A winning offset counts as evidence only with this many hits at this rate: a barely trained drafter

@@ -52,12 +52,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.taps import check_one_layer
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL, eagle3_taps
 from draftflow.models.attention import sdpa_attention
 from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
 from draftflow.models.dflash_config import target_dims
+from draftflow.models.taps import check_one_layer
 from draftflow.models.weights import SharedTargetDrafter, load_exact, read_weights_and_config
 
 # Prefixes of the target's modules shared into the drafter: frozen, never saved.

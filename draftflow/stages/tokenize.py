@@ -167,26 +167,6 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
                         sequence_drops=dict(res["seq_drops"]))
 
 
-def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list[bool]]:
-    """EAGLE-3 draft vocabulary: the top-n supervised tokens (ties by id), in id order.
-
-    Returns:
-        d2t (n,) with `used[i] = i + d2t[i]`, and t2d (vocab_size,) True for used tokens.
-        When fewer than n tokens were seen, the lowest unused ids fill the rest.
-    """
-    n = min(n, vocab_size)
-    ranked = [t for t, _ in sorted(freq.items(), key=lambda tc: (-tc[1], tc[0])) if t < vocab_size][:n]
-    chosen = set(ranked)
-    filler = (t for t in range(vocab_size) if t not in chosen)
-    while len(chosen) < n:
-        chosen.add(next(filler))
-    used = sorted(chosen)
-    t2d = [False] * vocab_size
-    for t in used:
-        t2d[t] = True
-    return [t - i for i, t in enumerate(used)], t2d
-
-
 def merge_freq(store: Store, fp: str, results: list[ShardResult]) -> Counter:
     total: Counter = Counter()
     for r in results:

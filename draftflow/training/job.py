@@ -26,12 +26,12 @@ import torch
 from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry, tokenize_fingerprints
 from draftflow.drafters.registry import DraftInputs, drafter_spec
-from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
 from draftflow.feature_stream import open_features
 from draftflow.features import STORED, FeatureSample, round_trip
 from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config
+from draftflow.models.taps import check_drafter
 from draftflow.store import Store
 from draftflow.target import TargetRef, load_target
 from draftflow.training.mirror import push_checkpoint
@@ -96,7 +96,7 @@ def draft_vocab(store: Store, features: FeatureSource, size: int,
     from collections import Counter
 
     from draftflow.data.schema import read_rows
-    from draftflow.stages.tokenize import draft_vocab as top_tokens
+    from draftflow.drafters.eagle3 import draft_vocab as top_tokens
 
     counts = Counter({r["token_id"]: r["count"] for r in read_rows(token_counts(store, features))})
     d2t, t2d = top_tokens(counts, vocab_size, size)

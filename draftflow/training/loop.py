@@ -16,7 +16,7 @@ step's global batch (`draftflow.training.distributed`); checkpoints are local fo
 EAGLE-3 (`drafter.kind: eagle3`, arXiv 2503.01840): the training-time-test unroll of
 `draftflow.models.eagle3` (alignment and mask are written down there); step i's soft cross
 entropy against the target's distribution over the draft vocabulary is weighted
-`ttt_decay ** i`. A drafter kind is an *objective* (`draftflow.training.objectives`: `DFlashObjective`,
+`ttt_decay ** i`. A drafter kind is an *objective* (`draftflow.drafters.objectives`: `DFlashObjective`,
 `Eagle3Objective`): how a sequence becomes a batch, its loss weight (known before any
 forward pass), and forward + loss; the loop here is shared.
 
@@ -42,6 +42,8 @@ import torch
 
 from draftflow import interrupt, progress
 from draftflow.config import TrainConfig
+from draftflow.drafters.batches import step_indices, total_steps, warmup_cosine
+from draftflow.drafters.objectives import DFlashObjective, Eagle3Objective, LossStats
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
@@ -50,7 +52,6 @@ from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.models.weights import init_from_target_layers
 from draftflow.target import resolve_device
-from draftflow.training.batches import step_indices, total_steps, warmup_cosine
 from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
 from draftflow.training.distributed import (
     DistEnv,
@@ -60,7 +61,6 @@ from draftflow.training.distributed import (
     prepare_model,
     sync_gradients,
 )
-from draftflow.training.objectives import DFlashObjective, Eagle3Objective, LossStats
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from draftflow.config import TrainConfig
-from draftflow.features import FeatureSample
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config
-from draftflow.training.batches import (
+from draftflow.drafters.batches import (
     IGNORE,
     BlockBatch,
     Eagle3Batch,
@@ -29,6 +26,9 @@ from draftflow.training.batches import (
     make_eagle3_batch,
     sampled_vocab,
 )
+from draftflow.features import FeatureSample
+from draftflow.models.dflash_config import DFlashConfig
+from draftflow.models.eagle3 import Eagle3Config
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
