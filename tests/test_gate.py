@@ -67,8 +67,9 @@ def test_gate_config_bad_values_are_one_line_and_the_gate_is_in_no_fingerprint(t
 def test_the_gate_code_is_in_no_stage_code_hash():
     """Editing the gate never re-runs a stage: only its config section is reachable from them."""
     from draftflow.codehash import ROOT, closure
+    from draftflow.stages.registry import stage_names
 
-    for stage in ("curate", "regenerate", "tokenize", "extract", "train", "evaluate"):
+    for stage in stage_names():
         names = {str(p.relative_to(ROOT)) for p in closure(ROOT, f"draftflow.stages.{stage}")}
         assert not names & {"evaluation/gate.py", "gating.py", "evalruns.py", "compare.py"}, stage
 

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from draftflow.stages.registry import stage_names
 from draftflow.store import sha256_file
 from tests.conftest import patch_stage, tiny_config
 
-STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+STAGES = list(stage_names())  # the registry: the one list of stages
 
 
 def _files(root: Path, stages: list[str]) -> dict[str, float]:

@@ -16,6 +16,7 @@ from prefect import flow, task
 
 from draftflow.config import RunConfig
 from draftflow.errors import ConfigError
+from draftflow.stages.registry import stage_names
 from flows.runners import StageTaskRunner, connect_ray, gpu_shortfall, task_runner_for
 from tests.conftest import tiny_config
 from tests.ray_auth import own_ray_token
@@ -30,7 +31,7 @@ def test_runner_section_is_in_no_fingerprint(tmp_path):
     base = tiny_config(tmp_path / "run")
     moved = tiny_config(tmp_path / "run", *RAY, "runner.ray_address=ray://head:10001", "runner.gpus_per_task=2",
                         "runner.max_workers=3")
-    for stage in ("curate", "regenerate", "tokenize", "extract", "train", "evaluate"):
+    for stage in stage_names():
         assert fingerprint(stage, base, {"x": "1"}) == fingerprint(stage, moved, {"x": "1"})
 
 

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from draftflow.stages.registry import stage_names
 from tests.conftest import moto_s3, patch_stage, tiny_config
 
 KEY_ID = "AKIADRAFTFLOWFAKE7Q3Z"
 SECRET = "dfSecret+Fake/9b1e6c27a4f84d0f8e3a5c2b7d9e1f4a"
 BUCKET = "draftflow-s3run"
 ROOT = f"s3://{BUCKET}/runs/tiny"
-STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+STAGES = list(stage_names())  # the registry: the one list of stages
 # What a run with a remote root may keep on local disk (see docs/operations.md "Runs on S3"): the built target,
 # content-keyed copies of shards it read, train's work folder (checkpoints while training) and the
 # target folder's fingerprint, keyed by its files' sizes and mtimes.

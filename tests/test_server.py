@@ -20,10 +20,11 @@ import httpx
 import pytest
 import yaml
 
+from draftflow.stages.registry import stage_names
 from tests.conftest import ROOT, tiny_config
 from tests.reliability.procs import wait_healthy
 
-STAGES = ["curate", "regenerate", "tokenize", "extract", "train", "evaluate"]
+STAGES = list(stage_names())  # the registry: the one list of stages
 NAME = "server-test"
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
