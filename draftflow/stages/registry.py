@@ -19,6 +19,7 @@ stage's function is first called, not at import: they pull torch and transformer
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,35 +42,15 @@ def _vllm_group(engine: Callable[[RunConfig], str]) -> Callable[[RunConfig], int
     return gpus
 
 
-# The stage functions, each importing its module when called (see the module docstring).
-def _regenerate_shard(*args: Any, **kwargs: Any) -> ShardResult:
-    from draftflow.stages import regenerate
+def _in_stage(stage: str, name: str) -> Callable[..., Any]:
+    """`draftflow.stages.<stage>.<name>`, its module imported when first called (see the module docstring):
+    one rule for every stage instead of a wrapper per function. A computed import is safe here alone, as no
+    stage module imports this one, so no stage's code hash (`draftflow.codehash.closure`) depends on it."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(f"draftflow.stages.{stage}"), name)(*args, **kwargs)
 
-    return regenerate.run_shard(*args, **kwargs)
-
-
-def _regenerate_check(*args: Any, **kwargs: Any) -> None:
-    from draftflow.stages import regenerate
-
-    regenerate.check_engine(*args, **kwargs)
-
-
-def _tokenize_shard(*args: Any, **kwargs: Any) -> ShardResult:
-    from draftflow.stages import tokenize
-
-    return tokenize.run_shard(*args, **kwargs)
-
-
-def _tokenize_finish(*args: Any, **kwargs: Any) -> tuple[list[ShardResult], dict[str, Any]]:
-    from draftflow.stages import tokenize
-
-    return tokenize.finish_stage(*args, **kwargs)
-
-
-def _extract_shard(*args: Any, **kwargs: Any) -> ShardResult:
-    from draftflow.stages import extract
-
-    return extract.run_shard(*args, **kwargs)
+    call.__qualname__ = call.__name__ = f"{stage}.{name}"
+    return call
 
 
 def _size(name: str) -> Callable[..., dict[str, Any]]:
@@ -153,14 +134,16 @@ class StageSpec:
 _REGISTRY: list[StageSpec] = [
     StageSpec("curate", (), uses_target=False, size=_size("curate"), seconds=_seconds("curate"), unit="conversations"),
     StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
-              split="train", run_shard=_regenerate_shard, check=_regenerate_check,
+              split="train", run_shard=_in_stage("regenerate", "run_shard"),
+              check=_in_stage("regenerate", "check_engine"),
               libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
               unit="conversations"),
-    StageSpec("tokenize", ("regenerate",), run_shard=_tokenize_shard, finish=_tokenize_finish,
+    StageSpec("tokenize", ("regenerate",), run_shard=_in_stage("tokenize", "run_shard"),
+              finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
               unit="sequences"),
     StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
-              run_shard=_extract_shard, libraries=TARGET_LIBRARIES, size=_size("extract"),
+              run_shard=_in_stage("extract", "run_shard"), libraries=TARGET_LIBRARIES, size=_size("extract"),
               seconds=_seconds("extract"), unit="sequences"),
     StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), unit="sequences"),
