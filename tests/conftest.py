@@ -169,6 +169,19 @@ def run_front(cfg, tiny_target):
     return store, shard, rfp, rres, tres
 
 
+def one_shard_features(cfg, tiny_target):
+    """`run_front`, then extract of its train shard with a complete extract manifest ("exfp"):
+    (store, the features training reads)."""
+    from draftflow.contracts import StoredFeatures
+    from draftflow.stages import extract
+    from draftflow.stages.common import Source, finalize
+
+    store, _, _, _, tres = run_front(cfg, tiny_target)
+    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
+    manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
+    return store, StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
+
+
 @pytest.fixture(scope="module")
 def target():
     """A tiny random Qwen3 target built in code (6 layers, hidden 64, vocab 320)."""

@@ -11,14 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
-from draftflow.contracts import StoredFeatures
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.launch import TrainingCrashed, use_torchrun
-from tests.conftest import run_front, tiny_config
+from tests.conftest import one_shard_features, tiny_config
 
 TRAIN = ["train.max_steps=4", "train.batch_size=3", "train.checkpoint_every=2", "train.num_anchors=8"]
 
@@ -28,10 +25,7 @@ def front(tmp_path_factory, tiny_target):
     """Features of one train shard of the tiny run, with a complete extract manifest."""
     root = tmp_path_factory.mktemp("launch") / "run"
     cfg = tiny_config(root, *TRAIN)
-    store, _, _, _, tres = run_front(cfg, tiny_target)
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
-    manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
-    return root, StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
+    return root, one_shard_features(cfg, tiny_target)[1]
 
 
 def _train(root, tiny_target, features, fp, *overrides):

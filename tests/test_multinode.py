@@ -31,14 +31,11 @@ import torch
 from safetensors.torch import load
 
 from draftflow.config import TrainConfig
-from draftflow.contracts import StoredFeatures
-from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
 from draftflow.training.launch import TrainingCrashed
-from tests.conftest import ROOT, moto_s3, run_front, tiny_config
+from tests.conftest import ROOT, moto_s3, one_shard_features, tiny_config
 
 BUCKET = "draftflow-nodes"
 RUN = f"s3://{BUCKET}/run"
@@ -54,10 +51,7 @@ def cluster(tmp_path_factory, tiny_target):
         store = Store(RUN)
         store.fs.mkdir(BUCKET)
         cfg = tiny_config(RUN, *TRAIN)
-        store, _, _, _, tres = run_front(cfg, tiny_target)
-        eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
-        manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
-        features = StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
+        store, features = one_shard_features(cfg, tiny_target)
         one = _train(tiny_target, features, "fp-one")  # 1 node, 1 process: in-process
         assert one.extra["metrics"]["steps"] == 4
         yield {"features": features, "store": store, "one": _weights(store, "fp-one"), "tmp": tmp_path_factory}

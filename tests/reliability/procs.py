@@ -248,6 +248,17 @@ def manifests(root: Path) -> dict[str, bytes]:
             for p in sorted(root.glob("*/*/manifest.json"))}
 
 
+def assert_equals_uninterrupted(root: Path, want_manifests: dict[str, bytes], want_files: dict[str, str]) -> None:
+    """`root` holds what an uninterrupted run wrote (`uninterrupted` in conftest.py), manifest by manifest, file
+    by file, and nothing a finished run should not."""
+    got = manifests(root)
+    assert sorted(got) == sorted(want_manifests)
+    for stage, data in got.items():
+        assert data == want_manifests[stage], f"{stage}/manifest.json differs from an uninterrupted run's"
+    assert sha256_tree(root) == want_files
+    assert leftovers(root) == []
+
+
 def leftovers(root: Path) -> list[str]:
     """What a completed run should not hold: work/ or partial/ folders, temp files, empty folders."""
     bad = []

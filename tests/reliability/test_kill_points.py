@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.procs import leftovers, manifests, run_killed_at, run_to_end, sha256_tree
+from tests.reliability.procs import assert_equals_uninterrupted, run_killed_at, run_to_end
 
 pytestmark = pytest.mark.reliability
 
@@ -55,9 +55,4 @@ def test_sigkill_at_every_kill_point_then_resume_equals_an_uninterrupted_run(env
         for i, point in enumerate(points):
             run_killed_at(env, str(root), point, logs / f"{stage}-{i}.log")
     run_to_end(env, str(root), logs / "final.log")
-    got = manifests(root)
-    assert sorted(got) == sorted(want_manifests)
-    for stage, data in got.items():
-        assert data == want_manifests[stage], f"{stage}/manifest.json differs from an uninterrupted run's"
-    assert sha256_tree(root) == want_files
-    assert leftovers(root) == []
+    assert_equals_uninterrupted(root, want_manifests, want_files)

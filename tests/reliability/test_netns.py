@@ -30,13 +30,10 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import TrainConfig
-from draftflow.contracts import StoredFeatures
-from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import Source, finalize
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
-from tests.conftest import run_front, tiny_config
+from tests.conftest import one_shard_features, tiny_config
 from tests.reliability.netns import ADDR, Hosts, two_hosts, wait_listening
 from tests.test_multinode import _assert_same_weights, _weights
 
@@ -52,10 +49,7 @@ def prepared(tmp_path_factory, tiny_target):
     """A local root with one train shard's features, and a one-node run's weights (in this process)."""
     root = tmp_path_factory.mktemp("netns") / "run"
     cfg = tiny_config(root, *TRAIN)
-    store, _, _, _, tres = run_front(cfg, tiny_target)
-    eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
-    manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
-    features = StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
+    store, features = one_shard_features(cfg, tiny_target)
     one = train_stage.run(store, "fp-one", cfg, tiny_target, {"extract": "d"}, features)
     assert one.extra["metrics"]["steps"] == 6
     (root.parent / "features.json").write_text(json.dumps(features.model_dump(mode="json")))

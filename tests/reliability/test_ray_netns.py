@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.netns import ADDR, DEADLINE_S, Hosts, two_hosts, wait_listening
-from tests.reliability.procs import PREFECT, cli_args, leftovers, manifests, sha256_tree
+from tests.reliability.procs import PREFECT, assert_equals_uninterrupted, cli_args
 
 pytestmark = pytest.mark.reliability
 pytest.importorskip("prefect_ray")
@@ -151,9 +151,4 @@ def test_a_ray_worker_cut_off_then_lost_stops_in_one_line_and_the_rerun_equals_a
         assert run.wait(timeout=DEADLINE_S) == 0, (tmp_path / "clean.log").read_text()[-4000:]
     shutil.rmtree(cluster.ray_tmp, ignore_errors=True)
     root = tmp_path / "run"
-    got = manifests(root)
-    assert sorted(got) == sorted(want_manifests)
-    for stage, data in got.items():
-        assert data == want_manifests[stage], f"{stage}/manifest.json differs from an uninterrupted run's"
-    assert sha256_tree(root) == want_files
-    assert leftovers(root) == []
+    assert_equals_uninterrupted(root, want_manifests, want_files)
