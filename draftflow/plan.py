@@ -19,6 +19,7 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
+from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.estimate import (
     CHARS_PER_TOKEN,
@@ -31,7 +32,6 @@ from draftflow.estimate import (
     target_config,
     train_tokens,
 )
-from draftflow.models.taps import check_drafter, feature_ids
 from draftflow.runstate import stage_states
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online

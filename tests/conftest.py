@@ -145,7 +145,7 @@ B = 4
 def dcfg(target):
     """A 1-layer, block-4, 3-tap drafter config for the code-built tiny target."""
     from draftflow.config import DrafterConfig
-    from draftflow.models.dflash_config import DFlashConfig
+    from draftflow.drafters.dflash.config import DFlashConfig
 
     return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
 

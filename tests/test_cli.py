@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from draftflow.export_readme import serve_entry
 from draftflow.stages.registry import stage_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,7 +237,7 @@ def test_pipeline_summary_resolves_the_manifests_relative_paths_and_makes_the_se
                            manifest=manifest)
 
     store.write_json(store.stage_path("train", "fp", "export", "vllm", "config.json"),
-                     {"architectures": ["DFlashDraftModel"], "block_size": 8})
+                     {"architectures": ["DFlashDraftModel"], "block_size": 8} | serve_entry("dflash", 7))
     train = {"checkpoint": "checkpoint", "export": {"vllm": "export/vllm"}}
     summary = summarize(tiny_cfg, [stage("train", train), stage("evaluate", {"tau": 1.5, "report": "report.md"})],
                         "/models/target")

@@ -66,8 +66,20 @@ def test_real_stages_see_their_own_code_and_not_the_trainer():
     train = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, "draftflow.stages.train")}
     assert {"data/filters.py", "data/dedup.py", "stages/curate.py"} <= curate
     assert not any(p.startswith(("models/", "training/")) for p in curate)
-    assert {"training/loop.py", "training/job.py", "drafters/batches.py", "models/dflash.py",
-            "stages/train.py"} <= train
+    assert {"training/loop.py", "training/job.py", "drafters/batches.py", "drafters/dflash/model.py",
+            "drafters/eagle3/objective.py", "stages/train.py"} <= train
+
+
+def test_the_data_stages_see_each_kinds_data_rule_and_nothing_else_of_it():
+    """Tokenize and extract read every kind's light rule (`drafters/<kind>/taps.py`); an edit to a kind's model,
+    objective or export must not recompute them."""
+    for stage in ("tokenize", "extract"):
+        files = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, f"draftflow.stages.{stage}")}
+        assert {"drafters/taps.py", "drafters/dflash/taps.py", "drafters/eagle3/taps.py"} <= files, stage
+        kinds = {p for p in files if p.startswith("drafters/")}
+        assert kinds == {"drafters/__init__.py", "drafters/taps.py", "drafters/rule.py", "drafters/dflash/__init__.py",
+                         "drafters/dflash/taps.py", "drafters/eagle3/__init__.py", "drafters/eagle3/taps.py"}, stage
+        assert not any(p.startswith(("models/", "training/")) for p in files), stage
 
 
 def test_library_imports_no_module_by_computed_name():

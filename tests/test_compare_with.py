@@ -14,6 +14,9 @@ import pytest
 import torch
 
 from draftflow.config import EvaluateConfig, load_config
+from draftflow.drafters.dflash.export import export_vllm_dflash
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.registry import load_exported
 from draftflow.errors import ConfigError, LosslessError
 from draftflow.evaluation.alignment import alignment_line, alignment_report
 from draftflow.evaluation.cached import evaluate_prompts
@@ -26,9 +29,6 @@ from draftflow.evaluation.compare_with import (
     resolve_all,
     rounding_for,
 )
-from draftflow.export import export_vllm_dflash
-from draftflow.export_eagle3 import load_exported
-from draftflow.models.dflash import DFlashDrafter
 from draftflow.store import Store
 from tests.conftest import MASK_ID
 
@@ -77,7 +77,7 @@ def test_an_export_is_resolved_fingerprinted_and_checked_against_the_target(tmp_
 def test_an_export_rounds_its_features_as_its_training_did(tmp_path, export_dir, target):
     import shutil
 
-    from draftflow.export import write_trained_on
+    from draftflow.drafters.export import write_trained_on
 
     bare = resolve(Store(str(tmp_path)), str(export_dir))  # exported by hand: the run's dtype, said in the log
     assert bare.extract_dtype is None

@@ -60,8 +60,8 @@ def test_drafter_configs_take_the_targets_rope_base_and_do_not_warn(caplog):
     from transformers import Qwen3Config
 
     from draftflow.config import DrafterConfig
-    from draftflow.models.dflash_config import DFlashConfig
-    from draftflow.models.eagle3 import Eagle3Config
+    from draftflow.drafters.dflash.config import DFlashConfig
+    from draftflow.drafters.eagle3.config import Eagle3Config
 
     cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=12,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5e5)

@@ -12,8 +12,11 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig, load_config
-from draftflow.drafters import dflash as dflash_kind
-from draftflow.drafters.eagle3 import draft_vocab
+from draftflow.drafters.dflash import spec as dflash_kind
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.model import Eagle3Drafter
+from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.errors import ConfigError
 from draftflow.evaluation.ddtree import (
     PLOT,
@@ -33,8 +36,6 @@ from draftflow.evaluation.ddtree import (
 )
 from draftflow.evaluation.decode import capture_taps, greedy_generate, speculative_generate
 from draftflow.evaluation.summary import console_lines, headline
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B, greedy_samples
 

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 import draftflow.training.loop as train_mod
 from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
-from draftflow.models.dflash_config import DFlashConfig
 from draftflow.training.distributed import DistEnv, torchrun_command
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID

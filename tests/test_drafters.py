@@ -8,9 +8,9 @@ import pytest
 
 from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.registry import DRAFTERS, drafter_spec, spec_for_architecture
+from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL
-from draftflow.models.taps import check_drafter, feature_ids
 
 
 def test_the_registry_has_both_kinds_with_every_part():
@@ -67,12 +67,12 @@ def test_the_cost_model_differs_per_kind():
 
 def test_a_new_kind_is_one_registry_entry(monkeypatch):
     import draftflow.drafters.registry as registry
-    import draftflow.models.taps as taps
+    import draftflow.drafters.taps as taps
 
     with pytest.raises(ConfigError, match=r"drafter.kind='mine' is not a drafter kind; known: dflash, eagle3"):
         drafter_spec("mine")
     mine = dataclasses.replace(DRAFTERS["dflash"], kind="mine", title="Mine", architecture="MineDrafter")
     monkeypatch.setitem(registry.DRAFTERS, "mine", mine)
-    monkeypatch.setitem(taps.TAP_RULES, "mine", mine.taps)
+    monkeypatch.setitem(taps.TAP_RULES, "mine", mine.rule)
     assert drafter_spec("mine") is mine and spec_for_architecture("MineDrafter") is mine
     assert feature_ids(DrafterConfig(kind="mine", num_taps=5), 36) == [1, 9, 17, 25, 33]

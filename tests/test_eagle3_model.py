@@ -15,18 +15,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import draftflow.models.eagle3 as e3
+import draftflow.drafters.eagle3.model as e3
 from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, TrainConfig
-from draftflow.drafters import batches as e3_batches
-from draftflow.drafters.batches import make_eagle3_batch
-from draftflow.drafters.eagle3 import draft_vocab
-from draftflow.drafters.objectives import eagle3_loss
+from draftflow.drafters.eagle3 import batches as e3_batches
+from draftflow.drafters.eagle3.batches import make_eagle3_batch
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
+from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
+from draftflow.drafters.eagle3.objective import eagle3_loss
+from draftflow.drafters.eagle3.vocab import draft_vocab
+from draftflow.drafters.registry import load_exported
 from draftflow.errors import ConfigError
-from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm, load_exported
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import Vocab, train_drafter
 from tests.conftest import preempt_training

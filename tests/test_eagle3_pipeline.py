@@ -57,8 +57,8 @@ def test_eagle3_pipeline_with_online_features(prefect_harness, tmp_path):
 def test_eagle3_settings_that_cannot_work_are_one_line_config_errors(tmp_path, bad, match):
     from draftflow.capture import make_capture_engine
     from draftflow.config import TargetConfig
+    from draftflow.drafters.taps import feature_ids
     from draftflow.errors import ConfigError
-    from draftflow.models.taps import feature_ids
 
     cfg = eagle3_config(tmp_path / "run", *bad)
     with pytest.raises(ConfigError, match=match):

@@ -14,6 +14,7 @@ import torch
 from draftflow.config import CurateConfig, EvaluateConfig, SourceConfig, load_config
 from draftflow.contracts import StageResult
 from draftflow.data.schema import read_rows
+from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.errors import ConfigError
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
@@ -21,7 +22,6 @@ from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, specu
 from draftflow.evaluation.selection import check_categories, prompt_set, row_category, select
 from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
-from draftflow.models.dflash import DFlashDrafter
 from draftflow.stages import curate
 from draftflow.store import Store
 from tests.conftest import B

@@ -8,10 +8,11 @@ import torch
 import draftflow.evaluation.decode as ev
 from draftflow import layers
 from draftflow.config import EvaluateConfig, TrainConfig
-from draftflow.drafters import batches
-from draftflow.drafters import dflash as dflash_kind
-from draftflow.drafters.batches import make_block_batch
-from draftflow.drafters.dflash import draft_block
+from draftflow.drafters.dflash import batches
+from draftflow.drafters.dflash import spec as dflash_kind
+from draftflow.drafters.dflash.batches import make_block_batch
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.spec import draft_block
 from draftflow.errors import LosslessError
 from draftflow.evaluation.alignment import alignment_report, slot_alignment
 from draftflow.evaluation.decode import (
@@ -21,7 +22,6 @@ from draftflow.evaluation.decode import (
     greedy_generate,
     speculative_generate,
 )
-from draftflow.models.dflash import DFlashDrafter
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, B, greedy_samples
 from tests.mutants import put_back

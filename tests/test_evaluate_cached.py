@@ -12,15 +12,16 @@ import torch
 
 from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig
-from draftflow.drafters.dflash import _block, draft_block
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.spec import _block, draft_block
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.evaluation import cached, decode
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain
 from draftflow.training.loop import Vocab, train_drafter
 from tests.conftest import MASK_ID, B
 

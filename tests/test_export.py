@@ -11,15 +11,12 @@ from safetensors.torch import load_file, save_file
 
 from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.export import export_speculators, export_vllm_dflash
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.registry import load_exported
 from draftflow.errors import StoreError
-from draftflow.export import (
-    export_speculators,
-    export_vllm_dflash,
-)
-from draftflow.export_eagle3 import load_exported
 from draftflow.models.attention import block_attention_mask
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
 from tests.conftest import MASK_ID
 
 BLOCK = 4

@@ -12,17 +12,15 @@ import pytest
 
 from draftflow.config import DrafterConfig
 from draftflow.contracts import Manifest
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.export import export_speculators, export_vllm_dflash
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
+from draftflow.drafters.eagle3.model import Eagle3Drafter
+from draftflow.drafters.export import read_trained_on
 from draftflow.drafters.registry import drafter_spec
-from draftflow.export import (
-    export_speculators,
-    export_vllm_dflash,
-    read_trained_on,
-)
-from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.export_readme import portable_target_name, serve_command, serve_command_for
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines, write_outputs
 from draftflow.store import Store
 from tests.conftest import MASK_ID

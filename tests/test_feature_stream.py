@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.contracts import ShardEntry
+from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.errors import StoreError
 from draftflow.feature_stream import RangeCache, local_source, open_features
 from draftflow.features import FeatureSample, FeatureShard, read_range, sha256_of, write_feature_shard
-from draftflow.models.dflash_config import DFlashConfig
 from draftflow.store import Store
 from draftflow.training.loop import train_drafter
 from tests.conftest import MASK_ID, moto_s3

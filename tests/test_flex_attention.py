@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.batches import make_block_batch
-from draftflow.drafters.objectives import dflash_loss
+from draftflow.drafters.dflash.batches import make_block_batch
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.objective import dflash_loss
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.models.attention import block_attention_mask, sliding_window_mask
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
 from tests.conftest import MASK_ID, B
 
 

@@ -126,14 +126,14 @@ def test_the_cycle_finder_finds_function_level_and_relative_cycles(tmp_path):
 
 
 # The layers, lowest first: a module imports from its own layer and those below, never from one above.
-# Each subpackage of draftflow is a layer, with the top-level modules that build on it (export on models);
+# Each subpackage of draftflow is a layer, with the top-level modules that build on it (estimate on drafters);
 # any other top-level module of draftflow (errors, config, store, contracts, ...) is the base layer below
 # them all, so a new one starts there. Adding a drafter kind adds to `drafters`; a stage, to `stages`.
 LAYERS = (
     ("chat", ("draftflow.chat",)),
     ("engines", ("draftflow.engines", "draftflow.capture", "draftflow.dialogs", "draftflow.vllm_serve")),
     ("data", ("draftflow.data",)),
-    ("models", ("draftflow.models", "draftflow.export", "draftflow.export_eagle3")),
+    ("models", ("draftflow.models",)),
     ("drafters", ("draftflow.drafters", "draftflow.estimate")),
     ("training", ("draftflow.training",)),
     ("evaluation", ("draftflow.evaluation",)),
@@ -167,9 +167,9 @@ def test_imports_point_down_the_layers():
 
 def test_the_layer_check_catches_an_upward_import():
     graph = import_graph()
-    assert upward_imports(graph) == [] and "draftflow.drafters.eagle3" in graph
-    graph = {**graph, "draftflow.models.eagle3": graph["draftflow.models.eagle3"] | {"draftflow.drafters.spec"}}
-    assert upward_imports(graph) == ["draftflow.models.eagle3 (models) imports draftflow.drafters.spec (drafters)"]
+    assert upward_imports(graph) == [] and "draftflow.drafters.eagle3.model" in graph
+    graph = {**graph, "draftflow.models.blocks": graph["draftflow.models.blocks"] | {"draftflow.drafters.spec"}}
+    assert upward_imports(graph) == ["draftflow.models.blocks (models) imports draftflow.drafters.spec (drafters)"]
     assert layer_of("draftflow.errors") == 0 < layer_of("draftflow.chat.render") < layer_of("flows.cli")
 
 

@@ -137,8 +137,8 @@ def test_cli_plan_prints_sizes_space_time_and_assumptions(tmp_path, tiny_target,
 def test_train_bytes_count_the_drafter_the_trainer_builds(target, dcfg):
     """The plan's train size (its share of a full-device error) comes from the drafter's parameter count:
     checked against a real drafter's trainable parameters."""
+    from draftflow.drafters.dflash.model import DFlashDrafter
     from draftflow.estimate import KEPT_CHECKPOINTS, drafter_params
-    from draftflow.models.dflash import DFlashDrafter
     from draftflow.training.checkpoint import KEEP_CHECKPOINTS
 
     tc = target.config

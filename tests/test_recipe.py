@@ -6,8 +6,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from draftflow.config import load_config
+from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.layers import default_dflash_layer_ids
-from draftflow.models.dflash_config import DFlashConfig
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b-dflash.yaml"
 

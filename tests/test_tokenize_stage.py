@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import TokenizeConfig
-from draftflow.drafters.eagle3 import draft_vocab
+from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.stages.tokenize import encode_parallel, encode_rows, truncate
 
 QWEN3 = str(Path(__file__).parent / "fixtures" / "tokenizers" / "qwen3")

@@ -9,16 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
-from draftflow.drafters import batches
-from draftflow.drafters.batches import (
-    IGNORE,
-    build_training_batch,
-    make_block_batch,
-    select_anchors,
-    step_indices,
-    warmup_cosine,
-)
-from draftflow.drafters.objectives import default_gamma, dflash_loss, slot_weights
+from draftflow.drafters.batches import IGNORE, step_indices, warmup_cosine
+from draftflow.drafters.dflash import batches
+from draftflow.drafters.dflash.batches import build_training_batch, make_block_batch, select_anchors
+from draftflow.drafters.dflash.objective import default_gamma, dflash_loss, slot_weights
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.evaluation.decode import capture_taps
 from draftflow.features import FeatureSample
@@ -275,7 +269,7 @@ def test_resume_refuses_a_checkpoint_from_other_settings(tmp_path, target, sampl
 
 
 def test_nan_loss_stops_with_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, target, samples, dcfg):
-    import draftflow.drafters.objectives as objectives
+    import draftflow.drafters.dflash.objective as objectives
 
     real_loss, calls = objectives.dflash_loss, []
 

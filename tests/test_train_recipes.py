@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.batches import IGNORE, build_training_batch, sampled_vocab
-from draftflow.drafters.objectives import DFlashObjective
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
+from draftflow.drafters.batches import IGNORE
+from draftflow.drafters.dflash.batches import build_training_batch, sampled_vocab
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.objective import DFlashObjective
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.model import Eagle3Drafter
 from draftflow.models.weights import init_from_target_layers
 from draftflow.training.loop import Vocab, train_drafter
 from tests.conftest import MASK_ID, greedy_samples

@@ -1,4 +1,6 @@
-"""Drafter kinds: `registry` (one `DrafterSpec` per kind, the lookups) and `taps` (the one path that
-resolves and validates tap ids, kept light so the extract stage's code fingerprint does not take in
-training, export or evaluation code). One module per kind: `dflash`, `eagle3`.
+"""Drafter kinds. Each kind is one folder, `<kind>/`: `taps.py` (its light `DataRule`: taps, checks,
+minimum supervised tokens), `config.py`, `model.py`, `objective.py`, `batches.py`, `export.py` and
+`spec.py` (its `DrafterSpec`). What the kinds share: `spec` and `rule` (the two records), `registry` (the
+full specs and lookups), `taps` (the light rules, read by tokenize and extract without models),
+`batches` (the step plan), `objectives` (`LossStats`), `export` (the folder writer).
 """

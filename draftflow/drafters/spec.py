@@ -8,12 +8,14 @@ rather than methods of a subclass per kind, so a spec reads as one table and nee
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from draftflow.config import DrafterConfig, RunConfig, TrainConfig
-from draftflow.models.taps import TapRule
+from draftflow.drafters.rule import DataRule
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class DrafterSpec:
         kind: the `drafter.kind` value; title: its name in reports and export READMEs.
         architecture: the `architecture` a checkpoint's config.json records (chooses `model` on load).
         model: the drafter module class; `model.load(folder, target_model)` loads a checkpoint.
-        taps: the kind's tap rule (`draftflow.models.taps.TAP_RULES`).
-        draft_vocab: training chooses a draft vocabulary from tokenize's token counts.
+        rule: the kind's data rule (taps, checks, minimum supervised tokens: its light `taps.py`).
+        draft_vocab: (token counts, target vocabulary size, size) -> (d2t, t2d) for a kind that drafts over
+            its own vocabulary (training chooses it from tokenize's counts); None: the target's.
         config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
         build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.
         objective: (drafter config, train section) -> the training objective.
@@ -53,7 +56,10 @@ class DrafterSpec:
             (= vLLM's `num_speculative_tokens`).
         exporters: per export format ("vllm", "speculators"), the function writing that folder.
         export_files: format -> the files an export folder holds.
-        vllm_method: vLLM's `--speculative-config` method.
+        owns_export: (an export's config.json) -> whether this kind wrote it (either format).
+        load_export: (folder, its config.json, target model) -> the drafter, loaded back.
+        vllm_method: vLLM's `--speculative-config` method (its exports record it with `drafts_per_step`:
+            `draftflow.export_readme.SERVE_KEY`).
         train_flops: (run config, mean sequence length T, target shape of `estimate.model_shape`)
             -> FLOPs to train on one sequence (the drafter's part; the plan adds online extraction).
         cost_note: the cost model in words (`draftflow plan` prints it).
@@ -64,8 +70,8 @@ class DrafterSpec:
     title: str
     architecture: str
     model: type
-    taps: TapRule
-    draft_vocab: bool
+    rule: DataRule
+    draft_vocab: Callable[[Counter, int, int], tuple[list[int], list[bool]]] | None
     config_from_target: Callable[[Any, DrafterConfig, DraftInputs], Any]
     build: Callable[..., Any]
     objective: Callable[[Any, TrainConfig], Any]
@@ -74,6 +80,8 @@ class DrafterSpec:
     drafts_per_step: Callable[[Any], int]
     exporters: Mapping[str, Callable[..., Any]]
     export_files: Callable[[str], tuple[str, ...]]
+    owns_export: Callable[[dict[str, Any]], bool]
+    load_export: Callable[[Path, dict[str, Any], Any], Any]
     vllm_method: str
     train_flops: Callable[[RunConfig, float, dict[str, Any]], float]
     cost_note: str

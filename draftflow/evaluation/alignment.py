@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.drafters.batches import make_block_batch
+from draftflow.drafters.dflash.batches import make_block_batch
+from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.evaluation.decode import RoundFn, capture_taps
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashDrafter
 
 OFFSETS = (-1, 0, 1)
 # A winning offset counts as evidence only with this many hits at this rate: a barely trained drafter

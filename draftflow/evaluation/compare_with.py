@@ -2,7 +2,7 @@
 
 Each name in `evaluate.compare_with` is a train stage fingerprint of this run root, a train stage
 folder (`<root>/train/<fp>`), or an export folder (a vLLM-native or speculators export of either
-kind, loaded by `draftflow.export_eagle3.load_exported`). `resolve` finds it and what enters the
+kind, loaded by `draftflow.drafters.registry.load_exported`). `resolve` finds it and what enters the
 evaluate fingerprint for it (the train manifest's digest, or the sha256 of every export file), so a
 retrained or re-exported comparison re-runs evaluate. `decode_others` decodes the run's very prompts
 with each one through the run's loop (KV-cached unless `evaluate.kv_cache` is false), each drafter
@@ -87,7 +87,7 @@ def _from_train(store: Store, name: str, fp: str) -> OtherDrafter | None:
 
 
 def _from_export(name: str, folder: Path) -> OtherDrafter:
-    from draftflow.export import read_trained_on
+    from draftflow.drafters.export import read_trained_on
 
     files = sorted(p for p in folder.iterdir() if p.is_file())
     sums = {p.name: sha256_file(p) for p in files}

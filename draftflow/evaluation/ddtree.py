@@ -52,7 +52,8 @@ from pathlib import Path
 import torch
 
 from draftflow.config import EvaluateConfig
-from draftflow.drafters import dflash as dflash_kind
+from draftflow.drafters.dflash import spec as dflash_kind
+from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.evaluation.decode import (
     RoundFn,
     _finish,
@@ -62,7 +63,6 @@ from draftflow.evaluation.decode import (
     greedy_generate,
 )
 from draftflow.layers import hf_hidden_state_index
-from draftflow.models.dflash import DFlashDrafter
 
 logger = logging.getLogger(__name__)
 ROOT = -1  # the parent id of depth-1 nodes: the anchor

@@ -7,7 +7,7 @@ overstate served acceptance. Each step: the drafter fills the block
 all positions before the anchor; the target verifies the block; the longest
 prefix of drafts equal to the target's greedy tokens is accepted, plus the
 target's own next token (the bonus, which becomes the next anchor). An EAGLE-3 drafter
-instead drafts a chain of `ttt_steps` tokens one after the other (`draftflow.models.eagle3.
+instead drafts a chain of `ttt_steps` tokens one after the other (`draftflow.drafters.eagle3.model.
 draft_chain`, also without a KV cache); verification and acceptance are the same.
 
 What it does not know: prompts' origin (token id lists), reports or plots,
@@ -28,11 +28,11 @@ from collections.abc import Callable
 import torch
 
 from draftflow.config import EvaluateConfig
+from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
-from draftflow.models.dflash import DFlashDrafter
 
 logger = logging.getLogger(__name__)
 RoundFn = Callable[[torch.Tensor], torch.Tensor]

@@ -1,4 +1,5 @@
-"""The Qwen3 building blocks both drafters use: RoPE tables, RMSNorm and the SwiGLU MLP.
+"""The Qwen3 building blocks every drafter kind uses: RoPE tables, RMSNorm, the SwiGLU MLP, and the
+dimensions a drafter copies from its target's config (`target_dims`).
 
 Each is HF Qwen3's computation with HF's parameter names, so a drafter built from them exports by a
 rename table. What it does not know: attention (each drafter's differs: DFlash's keys/values also
@@ -7,9 +8,13 @@ cover the target's features, EAGLE-3's queries read [embedding, hidden] twice as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from draftflow.compat import rope_theta
 
 # ----------------------------------------------------------------------------- RoPE
 
@@ -65,3 +70,18 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def target_dims(target_config: Any) -> dict[str, Any]:
+    """The dimensions a drafter copies from its target's HF config (Qwen3/Llama-like fields)."""
+    heads = int(target_config.num_attention_heads)
+    return {
+        "hidden_size": int(target_config.hidden_size),
+        "num_heads": heads,
+        "num_kv_heads": int(getattr(target_config, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
+        "intermediate_size": int(target_config.intermediate_size),
+        "rms_norm_eps": float(target_config.rms_norm_eps),
+        "rope_theta": rope_theta(target_config),
+        "vocab_size": int(target_config.vocab_size),
+    }

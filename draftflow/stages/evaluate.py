@@ -105,7 +105,7 @@ def load_drafter(store: Store, trained: StageResult, model):
 def load_other(other: OtherDrafter, model, default_dtype: str) -> tuple[OtherDrafter, Any, Any]:
     """An `evaluate.compare_with` drafter loaded around the target, with the feature rounding it trained with."""
     if other.folder is not None:
-        from draftflow.export_eagle3 import load_exported
+        from draftflow.drafters.registry import load_exported
 
         drafter = load_exported(other.folder, model)
     else:

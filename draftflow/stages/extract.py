@@ -35,9 +35,9 @@ from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows
+from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
-from draftflow.models.taps import feature_ids
 from draftflow.stages.common import Source, finalize, shard_result
 from draftflow.store import MANIFEST, Store, shard_entry
 from draftflow.target import TargetRef, resolve_device

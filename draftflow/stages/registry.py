@@ -80,6 +80,14 @@ def _compare_with_inputs(cfg: RunConfig) -> dict[str, str]:
     return {"compare_with": fingerprint_input(cfg.root, cfg.evaluate.compare_with)}
 
 
+def _tokenize_inputs(cfg: RunConfig) -> dict[str, str]:
+    """Tokenize: the fewest supervised tokens a sequence keeps (`tokenize.min_supervised_tokens`, else the drafter
+    kind's rule), as a value: kinds that need the same share one tokenize stage."""
+    from draftflow.drafters.taps import min_supervised_tokens
+
+    return {"min_supervised_tokens": str(min_supervised_tokens(cfg.drafter, cfg.tokenize.min_supervised_tokens))}
+
+
 # Third-party libraries whose version can change a stage's bytes (in its code hash, `draftflow.codehash`):
 # the chat template renderer and tokenizer, the model code and kernels.
 TARGET_LIBRARIES = ("torch", "transformers")
@@ -141,7 +149,7 @@ _REGISTRY: list[StageSpec] = [
     StageSpec("tokenize", ("regenerate",), run_shard=_in_stage("tokenize", "run_shard"),
               finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
-              unit="sequences"),
+              more_inputs=_tokenize_inputs, unit="sequences"),
     StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
               run_shard=_in_stage("extract", "run_shard"), libraries=TARGET_LIBRARIES, size=_size("extract"),
               seconds=_seconds("extract"), unit="sequences"),

@@ -28,6 +28,7 @@ import pyarrow as pa
 from draftflow.config import RunConfig, TokenizeConfig
 from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import TOKENIZED, read_rows, template_kwargs, write_rows
+from draftflow.drafters.taps import min_supervised_tokens
 from draftflow.errors import ConversationError
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
 from draftflow.store import Store, shard_entry
@@ -40,8 +41,9 @@ ROWS_PER_WORKER = 2000  # below this a worker process costs more than it saves
 
 
 def min_supervised(cfg: RunConfig) -> int:
-    """DFlash needs room for anchors and blocks: default 2 x block_size supervised tokens."""
-    return cfg.tokenize.min_supervised_tokens or 2 * cfg.drafter.block_size
+    """`tokenize.min_supervised_tokens`, else what the drafter kind needs (its `DataRule.min_supervised`:
+    DFlash 2 x block_size, room for anchors and blocks; EAGLE-3 2 x (ttt_steps + 1))."""
+    return min_supervised_tokens(cfg.drafter, cfg.tokenize.min_supervised_tokens)
 
 
 def truncate(ids: list[int], mask: list[int], max_length: int, minimum: int) -> tuple[list, list, str | None]:

@@ -26,8 +26,8 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
+from draftflow.drafters.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.drafters.registry import drafter_spec
-from draftflow.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.export_readme import ROOT_PLACEHOLDER, portable_target_name, serve_command, speculative_settings
 from draftflow.feature_stream import open_features
 from draftflow.stages.common import finalize
@@ -163,7 +163,7 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> Shard
 
 
 def trained_on(cfg: RunConfig) -> dict[str, Any]:
-    """What each export records of its training (`draftflow.export.TRAINED_ON_NAME`): the features' storage
+    """What each export records of its training (`draftflow.drafters.export.TRAINED_ON_NAME`): the features' storage
     dtype and mode, so an evaluation of the export alone rounds its features as they were in training."""
     return {"extract_dtype": cfg.extract.dtype, "features": cfg.extract.mode, "drafter": cfg.drafter.kind}
 
@@ -176,7 +176,7 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
     Args:
         target_name: the target's portable name (`draftflow.export_readme.portable_target_name`).
         served_from: per format, where the export will be served from (its store URL) for its README.
-        training: written into each export as `draftflow.export.TRAINED_ON_NAME` (`trained_on`); none if None.
+        training: written into each export as `draftflow.drafters.export.TRAINED_ON_NAME` (`trained_on`); none if None.
     """
     spec = drafter_spec(kind)
     exports = []

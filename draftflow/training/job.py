@@ -26,12 +26,10 @@ import torch
 from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry, tokenize_fingerprints
 from draftflow.drafters.registry import DraftInputs, drafter_spec
+from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
 from draftflow.feature_stream import open_features
 from draftflow.features import STORED, FeatureSample, round_trip
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config
-from draftflow.models.taps import check_drafter
 from draftflow.store import Store
 from draftflow.target import TargetRef, load_target
 from draftflow.training.mirror import push_checkpoint
@@ -63,7 +61,7 @@ def mask_token_id(tokenizer, embedding_rows: int | None = None) -> int:
     return max(spare)
 
 
-def check_taps(dcfg: DFlashConfig | Eagle3Config, shards: tuple[ShardEntry, ...]) -> None:
+def check_taps(dcfg: Any, shards: tuple[ShardEntry, ...]) -> None:
     """The drafter's taps (EAGLE-3: and the final state, id -1) must be the ones the features were extracted at."""
     for s in shards:
         if list(s.layer_ids or ()) != dcfg.feature_ids:
@@ -88,18 +86,17 @@ def token_counts(store: Store, features: FeatureSource) -> str:
     return store.verify_sha("tokenize", next(iter(fps)), entry)
 
 
-def draft_vocab(store: Store, features: FeatureSource, size: int,
+def draft_vocab(store: Store, features: FeatureSource, choose, size: int,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d): the `size` most frequent supervised tokens counted by tokenize, for a target
-    vocabulary of `vocab_size`. Chosen here, not in tokenize, so `drafter.draft_vocab_size` is a
-    train setting: changing it re-runs training only, never extract."""
+    """(d2t, t2d): the kind's draft vocabulary (`choose`: `DrafterSpec.draft_vocab`) of `size` tokens from the
+    supervised tokens counted by tokenize, for a target vocabulary of `vocab_size`. Chosen here, not in
+    tokenize, so `drafter.draft_vocab_size` is a train setting: changing it re-runs training only, never extract."""
     from collections import Counter
 
     from draftflow.data.schema import read_rows
-    from draftflow.drafters.eagle3 import draft_vocab as top_tokens
 
     counts = Counter({r["token_id"]: r["count"] for r in read_rows(token_counts(store, features))})
-    d2t, t2d = top_tokens(counts, vocab_size, size)
+    d2t, t2d = choose(counts, vocab_size, size)
     return torch.tensor(d2t, dtype=torch.int64), torch.tensor(t2d, dtype=torch.bool)
 
 
@@ -109,7 +106,7 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
     spec = drafter_spec(cfg.drafter.kind)
     vocab = None
     if spec.draft_vocab:
-        vocab = draft_vocab(store, features, cfg.drafter.draft_vocab_size, model.config.vocab_size)
+        vocab = draft_vocab(store, features, spec.draft_vocab, cfg.drafter.draft_vocab_size, model.config.vocab_size)
     rows = model.get_input_embeddings().num_embeddings
     inputs = DraftInputs(mask_token_id=mask_token_id(tokenizer, rows),
                          draft_vocab_size=None if vocab is None else vocab[0].numel())
@@ -160,7 +157,7 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     return Trained(metrics, model.config, len(samples), tokens)
 
 
-def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: DFlashConfig | Eagle3Config,
+def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: Any,
                      features: FeatureSource) -> tuple[Any, int]:
     """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
     if isinstance(features, OnlineFeatures):

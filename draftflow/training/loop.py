@@ -1,24 +1,14 @@
-"""Drafter training: DFlash's anchored blocks or EAGLE-3's unroll, their losses, and a resumable loop.
+"""Drafter training: a resumable loop shared by every drafter kind.
 
-Per sequence (DFlash paper, arXiv 2602.06036, section on training):
-  * up to `num_anchors` random anchors a among supervised positions;
-  * block j = [token a_j, mask x (B-1)] at positions a_j..a_j+B-1;
-  * slot k predicts token a_j+k at its own position (slot 0 is the given anchor);
-  * block j sees context features at positions < a_j, itself bidirectionally,
-    and no other block (`draftflow.models.attention.block_attention_mask`);
-  * slot k's cross entropy is weighted by exp(-(k-1)/gamma): early slots
-    matter most, since one wrong draft discards the rest of the block.
+A drafter kind is an *objective* (`DrafterSpec.objective`, `draftflow/drafters/<kind>/objective.py`):
+how a sequence becomes a batch, its loss weight (known before any forward pass), and forward + loss;
+the loop here is shared. DFlash (arXiv 2602.06036): random anchored blocks, slot k's cross entropy
+weighted exp(-(k-1)/gamma); EAGLE-3 (arXiv 2503.01840): the training-time-test unroll, step i's soft
+cross entropy weighted `ttt_decay ** i` (each written down in its folder).
 
-What it does not know: where features come from (already-loaded
-`FeatureSample`s) or Prefect. Under torchrun each rank trains on its share of every
-step's global batch (`draftflow.training.distributed`); checkpoints are local folders, rank 0's.
-
-EAGLE-3 (`drafter.kind: eagle3`, arXiv 2503.01840): the training-time-test unroll of
-`draftflow.models.eagle3` (alignment and mask are written down there); step i's soft cross
-entropy against the target's distribution over the draft vocabulary is weighted
-`ttt_decay ** i`. A drafter kind is an *objective* (`draftflow.drafters.objectives`: `DFlashObjective`,
-`Eagle3Objective`): how a sequence becomes a batch, its loss weight (known before any
-forward pass), and forward + loss; the loop here is shared.
+What it does not know: where features come from (already-loaded `FeatureSample`s), which kind it
+trains, or Prefect. Under torchrun each rank trains on its share of every step's global batch
+(`draftflow.training.distributed`); checkpoints are local folders, rank 0's.
 
 Key trade-off: one sequence per forward pass (variable T and anchor counts),
 with `batch_size` sequences by gradient accumulation. No padding logic and
@@ -43,14 +33,11 @@ import torch
 from draftflow import interrupt, progress
 from draftflow.config import TrainConfig
 from draftflow.drafters.batches import step_indices, total_steps, warmup_cosine
-from draftflow.drafters.objectives import DFlashObjective, Eagle3Objective, LossStats
+from draftflow.drafters.objectives import LossStats
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
-from draftflow.models.weights import init_from_target_layers
+from draftflow.models.weights import SharedTargetDrafter, init_from_target_layers
 from draftflow.target import resolve_device
 from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
 from draftflow.training.distributed import (
@@ -74,12 +61,12 @@ METRIC_WINDOW = 20  # steps averaged into the reported metrics
 class _Run:
     """The live objects of one training run."""
 
-    drafter: DFlashDrafter | Eagle3Drafter
+    drafter: SharedTargetDrafter  # a kind's model
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     samples: list[FeatureSample]
     tcfg: TrainConfig
-    objective: DFlashObjective | Eagle3Objective
+    objective: Any  # a kind's objective (`DrafterSpec.objective`)
     total: int
     out_dir: str
     meta: dict
@@ -191,10 +178,10 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 
 
 def train_drafter(
-    samples: list[FeatureSample], target_model, dcfg: DFlashConfig | Eagle3Config, tcfg: TrainConfig, out_dir: str,
+    samples: list[FeatureSample], target_model, dcfg: Any, tcfg: TrainConfig, out_dir: str,
     resume: bool = True, vocab: Vocab | None = None, on_checkpoint: Callable[[Path], None] | None = None,
 ) -> dict:
-    """Train a DFlash or EAGLE-3 drafter (by `dcfg`'s type) on feature samples; checkpoint and resume in `out_dir`.
+    """Train a drafter of the kind `dcfg` (a kind's drafter config) names; checkpoint and resume in `out_dir`.
 
     Args:
         samples: sequences with features in `dcfg`'s order (DFlash: `target_layer_ids`;
@@ -336,7 +323,7 @@ def _fmt(loss: float | None) -> str:
     return "n/a" if loss is None else f"{loss:.4f}"
 
 
-def _metrics(state: dict, drafter: DFlashDrafter) -> dict:
+def _metrics(state: dict, drafter: SharedTargetDrafter) -> dict:
     window = state["window"]
     correct = torch.tensor([r["correct"] for r in window]).sum(0)
     valid = torch.tensor([r["valid"] for r in window]).sum(0)

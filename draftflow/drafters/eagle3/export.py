@@ -1,32 +1,44 @@
-"""EAGLE-3 exports: vLLM's native layout and the speculators format (see `draftflow.export`'s
-docstring for the facts relied on), and loading either back; `load_exported` loads any export.
+"""EAGLE-3 exports: vLLM's native layout and the speculators format, and loading either back.
 
-Shares the folder writing, README and naming helpers with the DFlash exports in `draftflow.export`.
+Facts relied on:
+
+* **vLLM native EAGLE-3**: what `--speculative-config '{"method": "eagle3", "model": DIR,
+  "num_speculative_tokens": K}'` loads. Verified in vLLM `vllm/model_executor/models/registry.py`
+  (`"LlamaForCausalLMEagle3": ("llama_eagle3", "Eagle3LlamaForCausalLM")`) and
+  `llama_eagle3.py`: `load_weights` maps `midlayer.` to `layers.0.`, prefixes `model.` to every
+  name without `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips `t2d` and a missing
+  `embed_tokens`, fuses q/k/v and gate/up itself; the first layer's q/k/v take 2 x hidden
+  inputs, `fc` takes 3 x (`target_hidden_size` or hidden); `lm_head` has `draft_vocab_size`
+  rows; `norm_before_residual` (default False there) picks where `hidden_norm` sits. Taps are
+  read from `eagle_aux_hidden_state_layer_ids` (boundary indices: draftflow id + 1).
+* **speculators** (vllm-project/speculators `models/eagle3/config.py`,
+  `Eagle3SpeculatorConfig`): `speculators_model_type: "eagle3"`, `transformer_layer_config`
+  (a Llama config), `draft_vocab_size`, `norm_before_residual`, `target_hidden_size`,
+  `eagle_aux_hidden_state_layer_ids`; weights named `layers.0.*` (its converter
+  `convert/eagle/eagle3_converter.py` remaps `midlayer.*` to `layers.0.*`). vLLM's
+  `update_eagle3` (`transformers_utils/configs/speculators/algos.py`) defaults
+  `norm_before_residual` to True when absent, so it is always written (False).
+
+Both hold the drafter's own weights plus the `d2t` (int64, draft id -> target id offset) and `t2d`
+(bool over the target vocabulary) tensors, no embedding, no target LM head. The folder writer,
+README and names are every kind's (`draftflow.drafters.export`).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from draftflow.export import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    default_target_name,
-    dtype_name,
-    load_exported_dflash,
-    rename_tensor,
-    write_export,
-)
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.model import SHARED_PREFIXES as EAGLE3_SHARED
+from draftflow.drafters.eagle3.model import Eagle3Drafter
+from draftflow.drafters.export import KindFiles, default_target_name, dtype_name, rename_tensor, renamed, write_export
+from draftflow.export_readme import serve_entry
 from draftflow.layers import engine_layer_id, engine_layer_index
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.eagle3 import SHARED_PREFIXES as EAGLE3_SHARED
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
-from draftflow.models.weights import read_weights_and_config
+from draftflow.models.weights import WEIGHTS_NAME, read_weights_and_config
 
 # draftflow name prefix -> speculators name prefix (vLLM native keeps draftflow's names).
 EAGLE3_SPECULATORS_NAMES: dict[str, str] = {
@@ -38,10 +50,7 @@ EAGLE3_SPECULATORS_NAMES: dict[str, str] = {
     "t2d": "t2d",
 }
 EAGLE3_VLLM_NAMES = {k: k for k in EAGLE3_SPECULATORS_NAMES}
-
-
-def _is_eagle3(data: dict[str, Any]) -> bool:
-    return data.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in data.get("architectures", [])
+TITLE = KindFiles("EAGLE-3")
 
 
 def llama_dims(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
@@ -79,7 +88,7 @@ def eagle3_vllm_config(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": aux},
         "num_target_layers": cfg.num_target_layers,
         "ttt_steps": cfg.ttt_steps,
-    }
+    } | serve_entry("eagle3", cfg.ttt_steps)
 
 
 def eagle3_speculators_config(cfg: Eagle3Config, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
@@ -108,18 +117,14 @@ def _eagle3_checkpoint(checkpoint_dir: str | Path) -> tuple[Eagle3Config, dict[s
     return Eagle3Config.from_dict(config), {k: v for k, v in weights.items() if not k.startswith(EAGLE3_SHARED)}
 
 
-def _renamed(weights: dict[str, torch.Tensor], table: dict[str, str]) -> dict[str, torch.Tensor]:
-    return {rename_tensor(k, table): v.detach().cpu().contiguous() for k, v in weights.items()}
-
-
 def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
                        target_name: str | None = None, served_from: str | None = None) -> Path:
     """Write a folder vLLM serves as an EAGLE-3 speculative model (native layout); arguments as
     for `export_vllm_dflash`."""
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     config = eagle3_vllm_config(cfg, target_config)
-    return write_export(out_dir, config, _renamed(weights, EAGLE3_VLLM_NAMES),
-                        target_name or default_target_name(target_config), served_from, target_config)
+    return write_export(out_dir, config, renamed(weights, EAGLE3_VLLM_NAMES),
+                        target_name or default_target_name(target_config), served_from, target_config, TITLE)
 
 
 def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
@@ -128,8 +133,8 @@ def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, t
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     config = eagle3_speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, _renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from,
-                        target_config)
+    return write_export(out_dir, config, renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from,
+                        target_config, TITLE)
 
 
 def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
@@ -155,16 +160,3 @@ def load_exported_eagle3(folder: Path, data: dict[str, Any], target_model: torch
     back = {dst: src for src, dst in table.items()}
     weights = {rename_tensor(k, back): v for k, v in load_file(str(folder / WEIGHTS_NAME)).items()}
     return Eagle3Drafter.from_weights(eagle3_config_from_export(data), weights, target_model, str(folder))
-
-
-def load_exported(export_dir: str | Path, target_model: torch.nn.Module) -> DFlashDrafter | Eagle3Drafter:
-    """Load an exported folder (either kind, either format) back around `target_model` (round-trip check).
-
-    Raises:
-        StoreError: missing files, or exported weights that do not match the config exactly.
-    """
-    folder = Path(export_dir)
-    data = json.loads((folder / CONFIG_NAME).read_text())
-    if _is_eagle3(data):
-        return load_exported_eagle3(folder, data, target_model)
-    return load_exported_dflash(folder, data, target_model)

@@ -2,7 +2,7 @@
 
 draftflow copies this file, unchanged, into every vLLM-format DFlash export (next to its
 `config.json`, whose `auto_map` names `modeling_dflash.DFlashDraftModel`), so it imports
-only torch and transformers. It is the same network as `draftflow.models.dflash.DFlashDrafter`,
+only torch and transformers. It is the same network as `draftflow.drafters.dflash.model.DFlashDrafter`,
 written again in one file with the exported parameter names (`fc`, `hidden_norm`,
 `layers.N.*` as in HF Qwen3, `norm`). It holds no embedding and no LM head: both are the
 target's, so the caller embeds the block with the target's input embedding and turns the

@@ -23,44 +23,18 @@ shares the target's) in one `model.safetensors` plus a `config.json`:
   `aux_hidden_state_layer_ids` back with `target_layer_ids = [i - 1 for i in aux]`, so
   speculators ids are boundary indices: draftflow id + 1.
 
-EAGLE-3 (`draftflow.export_eagle3`: `export_eagle3_vllm`, `export_eagle3_speculators`; and
-`load_exported` for any export), the drafter's own weights plus
-the `d2t` (int64, draft id -> target id offset) and `t2d` (bool over the target vocabulary)
-tensors, no embedding, no target LM head:
-
-* **vLLM native EAGLE-3**: what `--speculative-config '{"method": "eagle3", "model": DIR,
-  "num_speculative_tokens": K}'` loads. Verified in vLLM `vllm/model_executor/models/registry.py`
-  (`"LlamaForCausalLMEagle3": ("llama_eagle3", "Eagle3LlamaForCausalLM")`) and
-  `llama_eagle3.py`: `load_weights` maps `midlayer.` to `layers.0.`, prefixes `model.` to every
-  name without `lm_head`, renames `d2t` to `draft_id_to_target_id`, skips `t2d` and a missing
-  `embed_tokens`, fuses q/k/v and gate/up itself; the first layer's q/k/v take 2 x hidden
-  inputs, `fc` takes 3 x (`target_hidden_size` or hidden); `lm_head` has `draft_vocab_size`
-  rows; `norm_before_residual` (default False there) picks where `hidden_norm` sits. Taps are
-  read from `eagle_aux_hidden_state_layer_ids` (boundary indices: draftflow id + 1).
-* **speculators** (vllm-project/speculators `models/eagle3/config.py`,
-  `Eagle3SpeculatorConfig`): `speculators_model_type: "eagle3"`, `transformer_layer_config`
-  (a Llama config), `draft_vocab_size`, `norm_before_residual`, `target_hidden_size`,
-  `eagle_aux_hidden_state_layer_ids`; weights named `layers.0.*` (its converter
-  `convert/eagle/eagle3_converter.py` remaps `midlayer.*` to `layers.0.*`). vLLM's
-  `update_eagle3` (`transformers_utils/configs/speculators/algos.py`) defaults
-  `norm_before_residual` to True when absent, so it is always written (False).
-
-Every export folder also holds a `README.md` with the exact `vllm serve` line
-(`draftflow.export_readme`), and names its target portably (a hub id or a folder's name, never an
-absolute path). The vLLM DFlash folder also carries `modeling_dflash.py`
-(`draftflow/models/modeling_dflash.py`, copied) and an `auto_map` naming it, so
+The folder writer, README and names are every kind's (`draftflow.drafters.export`). The vLLM DFlash
+folder also carries `modeling_dflash.py` (this folder's, copied) and an `auto_map` naming it, so
 `AutoModel.from_pretrained(DIR, trust_remote_code=True)` builds the drafter; `model_type`
 stays "qwen3" and `auto_map` names no `AutoConfig`, so vLLM (which picks its DFlash model by
 `architectures` and loads the config with Qwen3Config) reads the folder as before.
 
-What it does not know: training, stores (it writes a local folder; the train stage copies
-it into the artifact store). Trade-off: one rename table shared by both formats and
-by `load_exported`, so a name vLLM would not recognise fails the export, not the server.
+Trade-off: one rename table shared by both formats and by `load_exported`, so a name vLLM would
+not recognise fails the export, not the server.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -68,20 +42,20 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from draftflow.compat import config_dtype
-from draftflow.errors import StoreError
-from draftflow.export_readme import README_NAME, portable_target_name, write_readme
-from draftflow.layers import engine_layer_id, engine_layer_index
-from draftflow.models.dflash import SHARED_PREFIXES, DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.weights import (
-    CONFIG_NAME,
-    WEIGHTS_NAME,
-    load_exact,
-    read_weights_and_config,
-    write_weights_and_config,
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.model import SHARED_PREFIXES, DFlashDrafter
+from draftflow.drafters.export import (
+    EXPORT_FILES,
+    KindFiles,
+    default_target_name,
+    dtype_name,
+    rename_tensor,
+    renamed,
+    write_export,
 )
-from draftflow.store import write_local_atomic
+from draftflow.export_readme import serve_entry
+from draftflow.layers import engine_layer_id, engine_layer_index
+from draftflow.models.weights import WEIGHTS_NAME, load_exact, read_weights_and_config
 
 # draftflow parameter-name prefix -> exported (vLLM / speculators) prefix. Every exported
 # tensor must match one entry; the shared embedding and LM head are never exported.
@@ -103,41 +77,25 @@ CONFIG_FIELDS: dict[str, str] = {
     "rope_theta": "rope_theta",
     "vocab_size": "vocab_size",
 }
-EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, README_NAME)  # in every export folder
 MODELING_NAME = "modeling_dflash.py"
-# What the drafter was trained on that serving does not need but a later evaluation does (the feature
-# rounding: `evaluate.compare_with` of an export). Written by the train stage beside its exports only.
-TRAINED_ON_NAME = "draftflow.json"
 # Only AutoModel: an AutoConfig entry would make vLLM and AutoConfig need trust_remote_code.
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
 def modeling_file() -> Path:
     """draftflow's transformers modeling file for DFlash exports (imports only torch and transformers)."""
-    from draftflow.models import modeling_dflash  # imported, not only located: the train stage's code hash sees it
+    from draftflow.drafters.dflash import modeling_dflash  # imported, not only located: code hashes see it
 
     return Path(modeling_dflash.__file__)
-
-
-def default_target_name(target_config: Any) -> str:
-    """The portable name of the target a config was loaded from (`_name_or_path`; "target" when unset)."""
-    return portable_target_name(getattr(target_config, "_name_or_path", None) or None, "target")
 
 
 # ----------------------------------------------------------------------------- names
 
 
-def rename_tensor(name: str, table: dict[str, str]) -> str:
-    for src, dst in table.items():
-        if name.startswith(src):
-            return dst + name[len(src):]
-    raise StoreError(f"parameter {name!r} has no entry in draftflow.export.VLLM_NAMES; add one")
-
-
 def export_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """draftflow names -> exported names, dropping the shared embedding and LM head."""
     own = {k: v for k, v in weights.items() if not k.startswith(SHARED_PREFIXES)}
-    return {rename_tensor(k, VLLM_NAMES): v.detach().cpu().contiguous() for k, v in own.items()}
+    return renamed(own, VLLM_NAMES)
 
 
 def import_state_dict(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -173,11 +131,6 @@ def qwen3_dims(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
     }
 
 
-def dtype_name(target_config: Any) -> str:
-    dtype = config_dtype(target_config) or "bfloat16"
-    return str(dtype).removeprefix("torch.")
-
-
 def vllm_config(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
     """config.json for vLLM's DFlashDraftModel."""
     return qwen3_dims(cfg, target_config) | {
@@ -187,7 +140,7 @@ def vllm_config(cfg: DFlashConfig, target_config: Any) -> dict[str, Any]:
         "num_target_layers": cfg.num_target_layers,
         "target_hidden_size": cfg.hidden_size,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
-    }
+    } | serve_entry("dflash", cfg.block_size - 1)
 
 
 def speculators_config(cfg: DFlashConfig, target_config: Any, verifier: str | None = None) -> dict[str, Any]:
@@ -221,24 +174,13 @@ def _read_checkpoint(checkpoint_dir: str | Path) -> tuple[DFlashConfig, dict[str
     return DFlashConfig.from_dict(config), weights
 
 
-def write_export(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor], target_name: str,
-                 served_from: str | None = None, target_config: Any = None) -> Path:
-    """An export folder: `config.json`, `model.safetensors` (already renamed), `README.md`, and the
-    modeling file when `config` has an `auto_map`; each file written atomically.
-
-    Args:
-        target_name: the portable target name the README's serve line uses.
-        served_from: the folder's path in the serve line; default: `out_dir`, absolute.
-        target_config: the target's HF config; the README reads its folder (`_name_or_path`) for a GGUF
-            target's conversion record.
-    """
-    out = write_weights_and_config(out_dir, weights, config)
+def _write(out_dir: str | Path, config: dict, weights: dict[str, torch.Tensor], target_name: str,
+           served_from: str | None, target_config: Any) -> Path:
+    """`write_export` with DFlash's extras: the modeling file and its README section when `auto_map` names it."""
+    kind = KindFiles("DFlash")
     if config.get("auto_map"):
-        source = modeling_file().read_bytes()
-        write_local_atomic(out / MODELING_NAME, lambda tmp: Path(tmp).write_bytes(source))
-    write_readme(out, config, target_name, served_from or str(out.resolve()),
-                 getattr(target_config, "_name_or_path", None) or None)
-    return out
+        kind = KindFiles("DFlash", {MODELING_NAME: modeling_file().read_bytes()}, tuple(transformers_section(config)))
+    return write_export(out_dir, config, export_state_dict(weights), target_name, served_from, target_config, kind)
 
 
 def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
@@ -253,12 +195,11 @@ def export_vllm_dflash(checkpoint_dir: str | Path, out_dir: str | Path, target_c
         served_from: the folder's path or URL for the README's serve line; default `out_dir`.
 
     Returns:
-        `out_dir` as a Path, holding `EXPORT_FILES` and `MODELING_NAME`.
+        `out_dir` as a Path, holding `draftflow.drafters.export.EXPORT_FILES` and `MODELING_NAME`.
     """
     cfg, weights = _read_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
-    return write_export(out_dir, vllm_config(cfg, target_config), export_state_dict(weights), target_name,
-                        served_from, target_config)
+    return _write(out_dir, vllm_config(cfg, target_config), weights, target_name, served_from, target_config)
 
 
 def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_config: Any,
@@ -273,26 +214,7 @@ def export_speculators(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     cfg, weights = _read_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     config = speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, export_state_dict(weights), target_name, served_from, target_config)
-
-
-def write_trained_on(out_dir: str | Path, trained_on: dict[str, Any]) -> None:
-    """`TRAINED_ON_NAME` in an export folder, atomically (keys sorted: the same training, the same bytes)."""
-    text = json.dumps(trained_on, indent=2, sort_keys=True) + "\n"
-    write_local_atomic(Path(out_dir) / TRAINED_ON_NAME, lambda tmp: Path(tmp).write_text(text))
-
-
-def read_trained_on(folder: str | Path) -> dict[str, Any]:
-    """An export folder's `TRAINED_ON_NAME` ({} when it has none: exported outside a train stage, or before it
-    was written)."""
-    path = Path(folder) / TRAINED_ON_NAME
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except ValueError as exc:
-        raise StoreError(f"{path}: not JSON ({exc}); delete it or re-export the drafter") from None
-    return data if isinstance(data, dict) else {}
+    return _write(out_dir, config, weights, target_name, served_from, target_config)
 
 
 # ----------------------------------------------------------------------------- load back
@@ -322,3 +244,31 @@ def load_exported_dflash(folder: Path, data: dict[str, Any], target_model: torch
     """An exported DFlash folder back as a `DFlashDrafter` (either format)."""
     weights = import_state_dict(load_file(str(folder / WEIGHTS_NAME)))
     return load_exact(DFlashDrafter(config_from_export(data), target_model), weights, folder)
+
+
+def export_files(fmt: str) -> tuple[str, ...]:
+    """The files of an export folder in format `fmt` ("vllm": with the modeling file)."""
+    return EXPORT_FILES + ((MODELING_NAME,) if fmt == "vllm" else ())
+
+
+def transformers_section(config: dict[str, Any]) -> list[str]:
+    ids = config["dflash_config"]["target_layer_ids"]
+    return [
+        "",
+        "## Load with transformers",
+        "",
+        "`modeling_dflash.py` (named by `auto_map`) holds the drafter as a `PreTrainedModel`; pass",
+        "`trust_remote_code=True`, or transformers silently builds a plain Qwen3 model instead:",
+        "",
+        "```python",
+        "drafter = AutoModel.from_pretrained(THIS_FOLDER, trust_remote_code=True)",
+        "out = target(context_ids, output_hidden_states=True)  # context_ids (B, C)",
+        f"taps = torch.cat([out.hidden_states[L + 1] for L in drafter.target_layer_ids], -1)  # {ids}: raw",
+        "block = torch.full((B, drafter.block_size), drafter.mask_token_id); block[:, 0] = anchor",
+        "pos = torch.arange(C + drafter.block_size).expand(B, -1)  # context, then the block",
+        "logits = target.lm_head(drafter(target.get_input_embeddings()(block), taps, pos))",
+        "```",
+        "",
+        "The drafter applies `fc` and `hidden_norm` to the raw tap states itself; slot k of the block",
+        "drafts the token at position C + k (slot 0 is the anchor).",
+    ]

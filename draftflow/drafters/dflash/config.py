@@ -11,49 +11,19 @@ import logging
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from draftflow.compat import rope_scaling, rope_theta
+from draftflow.compat import rope_scaling
 from draftflow.config import DrafterConfig
+from draftflow.drafters.dflash.taps import check_layer_types
 from draftflow.errors import ConfigError
 from draftflow.layers import dflash_taps
 from draftflow.models.attention import ATTENTION_BACKENDS
+from draftflow.models.blocks import target_dims
 
 logger = logging.getLogger(__name__)
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 # ----------------------------------------------------------------------------- config
-
-
-def target_dims(target_config: Any) -> dict[str, Any]:
-    """The dimensions a drafter copies from its target's HF config (Qwen3/Llama-like fields)."""
-    heads = int(target_config.num_attention_heads)
-    return {
-        "hidden_size": int(target_config.hidden_size),
-        "num_heads": heads,
-        "num_kv_heads": int(getattr(target_config, "num_key_value_heads", None) or heads),
-        "head_dim": int(getattr(target_config, "head_dim", None) or target_config.hidden_size // heads),
-        "intermediate_size": int(target_config.intermediate_size),
-        "rms_norm_eps": float(target_config.rms_norm_eps),
-        "rope_theta": rope_theta(target_config),
-        "vocab_size": int(target_config.vocab_size),
-    }
-
-
-def check_layer_types(layer_types: list[str] | None, num_layers: int, sliding_window: int | None) -> None:
-    """`drafter.layer_types`: one known type per layer, and a window for sliding layers (needs no target).
-
-    Raises:
-        ConfigError: one line naming the setting.
-    """
-    types = layer_types or []
-    if layer_types is not None and len(types) != num_layers:
-        raise ConfigError(f"drafter.layer_types has {len(types)} entries but drafter.num_layers is {num_layers}")
-    bad = sorted(set(types) - set(LAYER_TYPES))
-    if bad:
-        raise ConfigError(f"drafter.layer_types has unknown {bad}; use {list(LAYER_TYPES)}")
-    if "sliding_attention" in types and not (sliding_window or 0) >= 1:
-        raise ConfigError("drafter.layer_types has sliding_attention layers: set drafter.sliding_window >= 1")
 
 
 @dataclass

@@ -1,9 +1,8 @@
-"""The DFlash kind (arXiv 2602.06036): block drafting from injected tap features.
+"""The DFlash kind's spec (arXiv 2602.06036): block drafting from injected tap features.
 
-Its spec wires `draftflow.models.dflash` (model and config), the block objective, the block
-proposer used by evaluate (`draft_block`, and `CachedBlockProposer` with a KV cache of the
-context), the vLLM and speculators exporters and the train cost model. Taps:
-`drafter.target_layer_ids`, else the paper's spread (`layers.dflash_taps`).
+It wires this folder's parts (data rule, config, model, objective, exporters) and adds the block
+proposer evaluate uses (`draft_block`, and `CachedBlockProposer` with a KV cache of the context) and
+the train cost model.
 """
 
 from __future__ import annotations
@@ -13,13 +12,13 @@ from typing import Any
 import torch
 
 from draftflow.config import DrafterConfig, RunConfig
-from draftflow.drafters.objectives import DFlashObjective
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.export import export_files, export_speculators, export_vllm_dflash, load_exported_dflash
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.objective import DFlashObjective
+from draftflow.drafters.dflash.taps import RULE
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.export import EXPORT_FILES, MODELING_NAME, export_speculators, export_vllm_dflash
 from draftflow.models.attention import block_attention_mask
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.taps import TAP_RULES
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> DFlashConfig:
@@ -93,10 +92,6 @@ def drafts_per_step(drafter) -> int:
     return drafter.block_size - 1  # slot 0 holds the anchor
 
 
-def export_files(fmt: str) -> tuple[str, ...]:
-    return EXPORT_FILES + ((MODELING_NAME,) if fmt == "vllm" else ())
-
-
 def train_flops(cfg: RunConfig, T: float, shape: dict[str, Any]) -> float:
     """6 x drafter params x (block + context tokens) + 4 x LM head x block tokens."""
     Q = min(cfg.train.num_anchors, T) * cfg.drafter.block_size
@@ -108,8 +103,8 @@ SPEC = DrafterSpec(
     title="DFlash",
     architecture="DFlashDrafter",
     model=DFlashDrafter,
-    taps=TAP_RULES["dflash"],
-    draft_vocab=False,
+    rule=RULE,
+    draft_vocab=None,
     config_from_target=config_from_target,
     build=build,
     objective=DFlashObjective,
@@ -118,6 +113,9 @@ SPEC = DrafterSpec(
     drafts_per_step=drafts_per_step,
     exporters={"vllm": export_vllm_dflash, "speculators": export_speculators},
     export_files=export_files,
+    owns_export=lambda c: c.get("speculators_model_type") == "dflash" or "DFlashDraftModel" in c.get(
+        "architectures", []),
+    load_export=load_exported_dflash,
     vllm_method="dflash",
     train_flops=train_flops,
     cost_note="DFlash: 6 x drafter params x (anchors x block + context) + 4 x LM head x block tokens",

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.errors import ConfigError
 from draftflow.models.attention import (
     ATTENTION_BACKENDS,
@@ -46,7 +47,6 @@ from draftflow.models.attention import (
     sliding_window_mask,
 )
 from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
-from draftflow.models.dflash_config import DFlashConfig
 from draftflow.models.weights import SharedTargetDrafter, load_exact, read_weights_and_config
 
 logger = logging.getLogger(__name__)

@@ -1,26 +1,27 @@
-"""The EAGLE-3 kind (arXiv 2503.01840): three fused taps, one layer, training-time-test unroll.
+"""The EAGLE-3 kind's spec (arXiv 2503.01840): three fused taps, one layer, training-time-test unroll.
 
-Its spec wires `draftflow.models.eagle3` (model, config, chain drafting; `CachedChainProposer` drafts
-the same chain from a KV cache of the target's rows), the unroll objective,
-the vLLM-native and speculators exporters and the train cost model. Feature shards also hold the
-target's final normed state (soft targets); training chooses a draft vocabulary from tokenize's counts.
+It wires this folder's parts (data rule, config, model and chain drafting, objective, exporters, the
+draft vocabulary) and adds `CachedChainProposer` (the same chain from a KV cache of the target's rows)
+and the train cost model. Feature shards also hold the target's final normed state (soft targets);
+training chooses a draft vocabulary from tokenize's counts (`vocab.py`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
 
 from draftflow.config import DrafterConfig, RunConfig
-from draftflow.drafters.objectives import Eagle3Objective
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm, load_exported_eagle3
+from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain
+from draftflow.drafters.eagle3.objective import Eagle3Objective
+from draftflow.drafters.eagle3.taps import RULE
+from draftflow.drafters.eagle3.vocab import draft_vocab
+from draftflow.drafters.export import EXPORT_FILES
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
 from draftflow.errors import ConfigError
-from draftflow.export import EXPORT_FILES
-from draftflow.export_eagle3 import export_eagle3_speculators, export_eagle3_vllm
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter, draft_chain
-from draftflow.models.taps import TAP_RULES
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> Eagle3Config:
@@ -103,8 +104,8 @@ SPEC = DrafterSpec(
     title="EAGLE-3",
     architecture="Eagle3Drafter",
     model=Eagle3Drafter,
-    taps=TAP_RULES["eagle3"],
-    draft_vocab=True,
+    rule=RULE,
+    draft_vocab=draft_vocab,
     config_from_target=config_from_target,
     build=build,
     objective=Eagle3Objective,
@@ -113,29 +114,12 @@ SPEC = DrafterSpec(
     drafts_per_step=drafts_per_step,
     exporters={"vllm": export_eagle3_vllm, "speculators": export_eagle3_speculators},
     export_files=lambda fmt: EXPORT_FILES,
+    owns_export=lambda c: c.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in c.get(
+        "architectures", []),
+    load_export=load_exported_eagle3,
     vllm_method="eagle3",
     train_flops=train_flops,
     cost_note="EAGLE-3: 6 x (layer + fc + draft head) params x ttt_steps x tokens + 2 x LM head x tokens "
     "(soft targets)",
     drafting=lambda d: f"EAGLE-3 chain of {d.ttt_steps} drafts per step",
 )
-
-
-def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list[bool]]:
-    """EAGLE-3 draft vocabulary: the top-n supervised tokens (ties by id), in id order.
-
-    Returns:
-        d2t (n,) with `used[i] = i + d2t[i]`, and t2d (vocab_size,) True for used tokens.
-        When fewer than n tokens were seen, the lowest unused ids fill the rest.
-    """
-    n = min(n, vocab_size)
-    ranked = [t for t, _ in sorted(freq.items(), key=lambda tc: (-tc[1], tc[0])) if t < vocab_size][:n]
-    chosen = set(ranked)
-    filler = (t for t in range(vocab_size) if t not in chosen)
-    while len(chosen) < n:
-        chosen.add(next(filler))
-    used = sorted(chosen)
-    t2d = [False] * vocab_size
-    for t in used:
-        t2d[t] = True
-    return [t - i for i, t in enumerate(used)], t2d

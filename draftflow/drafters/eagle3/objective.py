@@ -1,0 +1,78 @@
+"""The EAGLE-3 objective (arXiv 2503.01840): the training-time-test unroll of
+`draftflow.drafters.eagle3.model`, step i's soft cross entropy against the target's distribution over the
+draft vocabulary weighted `ttt_decay ** i`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftflow.config import TrainConfig
+from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.objectives import LossStats
+from draftflow.features import FeatureSample
+
+
+def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
+                supervised: torch.Tensor, decay: float) -> LossStats:
+    """Decayed soft cross entropy over the unroll steps, plus accuracy statistics.
+
+    Args:
+        logits: K drafter logits (1, R, Vd), R = T-1 rows.
+        probs: (1, T, Vd) the target's distribution over the draft vocabulary at every position;
+            step i, row t is scored against position t+1+i.
+        in_vocab: (1, T) the target's argmax at that position is a draft token.
+        supervised: (1, K, R) bool from `make_eagle3_batch`.
+        decay: step i has weight decay ** i.
+
+    Returns:
+        `LossStats` per step (correct/valid of length K; a row's leading count stops at its first
+        wrong or unsupervised step; rows = those supervised at step 0). `weight_sum` counts the
+        supervised rows; rows whose target argmax is outside the draft vocabulary add nothing to
+        `weighted_sum` but stay in `weight_sum` (known before the forward pass, like SpecForge's
+        mean over positions).
+    """
+    R = supervised.shape[-1]
+    weighted_sum = logits[0].new_zeros((), dtype=torch.float32)
+    hits, valids, weight_sum = [], [], 0.0
+    for i, lg in enumerate(logits):
+        p = probs[:, 1 + i : 1 + i + R]  # (1, R_i, Vd), R_i = R - i rows have a target position
+        n = p.shape[1]
+        valid = supervised[:, i, :n] & in_vocab[:, 1 + i : 1 + i + n]  # (1, R_i)
+        ce = -(p * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)  # (1, R_i)
+        w = decay**i
+        weighted_sum = weighted_sum + w * (ce * valid).sum()
+        weight_sum += w * float(supervised[:, i].sum())
+        hit = (lg[:, :n].detach().argmax(-1) == p.argmax(-1)) & valid
+        hits.append(F.pad(hit[0], (0, R - n)))
+        valids.append(F.pad(valid[0], (0, R - n)))
+    hit, valid = torch.stack(hits), torch.stack(valids)  # (K, R)
+    leading = hit.int().cumprod(dim=0).sum(dim=0)[valid[0]]  # rows supervised at step 0
+    return LossStats(
+        loss=weighted_sum / max(weight_sum, 1e-12),
+        weighted_sum=weighted_sum,
+        weight_sum=weight_sum,
+        correct=hit.sum(1).cpu().double(),
+        valid=valid.sum(1).cpu().double(),
+        leading=leading.cpu(),
+    )
+
+
+class Eagle3Objective:
+    """EAGLE-3: the training-time-test unroll, soft targets over the draft vocabulary."""
+
+    def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig):
+        self.cfg, self.n_slots = cfg, cfg.ttt_steps
+        self.decays = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
+
+    def batch(self, sample: FeatureSample, step: int, j: int) -> Eagle3Batch | None:
+        return make_eagle3_batch(sample, self.cfg.ttt_steps)  # deterministic: every row is used
+
+    def weight(self, b: Eagle3Batch) -> float:
+        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.decays))
+
+    def loss(self, drafter, b: Eagle3Batch) -> LossStats:
+        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
+        return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
