@@ -10,8 +10,10 @@ libraries that shape a stage's bytes (`StageSpec.libraries`: transformers render
 runs the target, tokenizers tokenizes, torch computes) are another of its fingerprint inputs
 (`stages.registry.stage_inputs`, shown in its manifest's `inputs.libraries`).
 
-What it does not see: modules reached only by a computed name (importlib with a string).
-draftflow has none; `tests/test_codehash.py` keeps it that way.
+What it cannot read: modules reached by a computed name (importlib with a string). The drafter
+registries load each kind's modules by the kind's name, so `COMPUTED` names the files such a module
+may load, and they count as imported; `tests/test_codehash.py` fails on any other computed import
+(the stage registry's own does not reach any stage's code, see there).
 
 Key trade-off: static imports over-approximate (a module imported for one helper counts
 whole), which errs towards recomputing; never towards a stale result.
@@ -27,6 +29,12 @@ from pathlib import Path
 
 PACKAGE = "draftflow"
 ROOT = Path(__file__).parent
+# Modules that import others by a computed name -> the files (globs under the package) they may import.
+# The drafter registries: a kind is a folder, listed by name (`draftflow.drafters.taps.KINDS`).
+COMPUTED = {
+    f"{PACKAGE}.drafters.taps": ("drafters/*/taps.py",),
+    f"{PACKAGE}.drafters.registry": ("drafters/*/*.py",),
+}
 
 
 def module_file(root: Path, module: str) -> Path | None:
@@ -94,7 +102,13 @@ def closure(root: Path, module: str) -> list[Path]:
             if f is not None and f not in seen:
                 seen.add(f)
                 todo.extend(_imported(root, f))
+                todo.extend(_computed(root, ".".join(parts[:i])))
     return sorted(seen)
+
+
+def _computed(root: Path, module: str) -> list[str]:
+    """The modules `module` imports by a computed name (`COMPUTED`), as dotted names."""
+    return [_module_name(root, p) for g in COMPUTED.get(module, ()) for p in sorted(root.glob(g))]
 
 
 def source_hash(root: Path, files: list[Path], extra_dirs: tuple[str, ...] = ("assets",)) -> str:

@@ -76,11 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--ui-api-url", default=None,
                    help="the API URL the UI in a browser uses; default http://<host>:<port>/api")
-    s = sub.add_parser("deploy", help="create the deployments in deployments/prefect.yaml (all by default)")
+    s = sub.add_parser("deploy", help="create the deployments: deployments/prefect.yaml's and one per stage "
+                       "(all by default)")
     s.add_argument("--name", dest="names", action="append", default=[], metavar="DEPLOYMENT",
                    help="only this deployment, e.g. draftflow-stage/curate (repeatable)")
     s.add_argument("--gpu-slots", type=int, default=1,
                    help="slots of the `gpu` concurrency limit when it is created (GPUs on the box)")
+    s.add_argument("--show", action="store_true", help="print the deployments as `prefect deploy` reads them; "
+                   "needs no server")
     s = sub.add_parser("compare", help="tau and projected speedup per category and DDTree budget across runs")
     s.add_argument("runs", nargs="+", metavar="RUN", help="a run root, an evaluate folder or a report.json")
     s.add_argument("--png", default=None, metavar="PATH", help="also draw the comparison as a PNG here")
@@ -234,8 +237,11 @@ def cmd_compare(args) -> int:
 
 def cmd_deploy(args) -> int:
     _prefect_settings()
-    from flows.deploy import deploy
+    from flows.deploy import deploy, show
 
+    if args.show:
+        print(show(), end="")
+        return 0
     return deploy(args.names, args.gpu_slots)
 
 

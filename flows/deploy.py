@@ -6,6 +6,11 @@ so two stages never share a GPU by accident and a missing limit is an error rath
 The variable is set by the `gpu` pool's deployments (`deployments/prefect.yaml`); without it (`make
 demo`, tests, a laptop) no slot is taken, so the ephemeral no-server run needs no setup.
 `draftflow deploy` creates the pools and the limit when they are missing (`ensure_infrastructure`).
+
+The deployments: `deployments/prefect.yaml` holds the whole-pipeline ones (weekly, manual, the nightly
+data refresh) and the pools' settings; one deployment per stage is generated from the stage registry
+(`stage_deployments`: its pool from the stage's `gpu`, its description from `about`), so a new stage is
+deployable without an edit here. `draftflow deploy --show` prints the whole file `prefect deploy` reads.
 """
 
 from __future__ import annotations
@@ -13,8 +18,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 from draftflow.errors import DraftflowError
 
@@ -97,27 +104,66 @@ def check_server() -> str:
     return url
 
 
-def _known(names: list[str]) -> list[str]:
-    """Deployment names as prefect.yaml spells them (`draftflow-stage/curate` -> `curate`); unknown: an error."""
+STAGE_ENTRYPOINT = "flows/pipeline.py:stage_from_file"
+
+
+def stage_deployments(defs: dict[str, Any]) -> list[dict[str, Any]]:
+    """One deployment per registry stage: it runs that stage with `upstream: reuse`, on the `gpu` pool when the
+    stage uses a GPU, else on `cpu`. `defs`: prefect.yaml's `definitions` (the pools, default parameters)."""
+    from draftflow.stages.registry import registry
+
+    out = []
+    for s in registry():
+        needs = f" Needs {', '.join(s.upstream)} complete." if s.upstream else ""
+        out.append({"name": s.name, "description": (s.about + needs).strip(), "entrypoint": STAGE_ENTRYPOINT,
+                    "parameters": {**defs["parameters"], "stage": s.name, "upstream": "reuse"},
+                    "work_pool": defs["gpu" if s.gpu else "cpu"]})
+    return out
+
+
+def deployment_spec() -> dict[str, Any]:
+    """The deployments `draftflow deploy` creates: prefect.yaml's, then one per stage (`stage_deployments`)."""
     import yaml
 
-    declared = [d["name"] for d in yaml.safe_load(PREFECT_FILE.read_text())["deployments"]]
+    spec = yaml.safe_load(PREFECT_FILE.read_text())
+    spec["deployments"] = spec["deployments"] + stage_deployments(spec["definitions"])
+    return spec
+
+
+def show(spec: dict[str, Any] | None = None) -> str:
+    """The deployment file `prefect deploy` reads (default: `deployment_spec()`), as YAML without aliases."""
+    import yaml
+
+    class Plain(yaml.SafeDumper):
+        def ignore_aliases(self, data: Any) -> bool:
+            return True
+
+    return yaml.dump(spec or deployment_spec(), Dumper=Plain, sort_keys=False, width=120)
+
+
+def _known(spec: dict[str, Any], names: list[str]) -> list[str]:
+    """Deployment names as prefect.yaml spells them (`draftflow-stage/curate` -> `curate`); unknown: an error."""
+    declared = [d["name"] for d in spec["deployments"]]
     short = [n.split("/")[-1] for n in names]
     unknown = [n for n, s in zip(names, short) if s not in declared]
     if unknown:
-        raise DraftflowError(f"no deployment {unknown[0]!r} in {PREFECT_FILE.relative_to(ROOT)}; "
-                             f"choose from {', '.join(declared)}")
+        raise DraftflowError(f"no deployment {unknown[0]!r} in {PREFECT_FILE.relative_to(ROOT)} or the stage "
+                             f"registry; choose from {', '.join(declared)}")
     return short
 
 
 def deploy(names: list[str], gpu_slots: int) -> int:
-    """`prefect deploy` the named deployments (all when none) of deployments/prefect.yaml."""
-    select = [a for n in _known(names) for a in ("--name", n)] or ["--all"]
+    """`prefect deploy` the named deployments (all when none): prefect.yaml's and one per stage."""
+    spec = deployment_spec()
+    select = [a for n in _known(spec, names) for a in ("--name", n)] or ["--all"]
     url = check_server()
     for line in ensure_infrastructure(gpu_slots):
         print(f"created {line} at {url}")
     env = dict(os.environ)
     env.setdefault("DRAFTFLOW_HOME", str(ROOT))  # the pull step's working directory on the worker
     env.setdefault("DRAFTFLOW_GPU_IMAGE", GPU_IMAGE)
-    cmd = [*prefect_command(), "--no-prompt", "deploy", *select, "--prefect-file", str(PREFECT_FILE)]
-    return subprocess.call(cmd, cwd=ROOT, env=env)
+    with tempfile.TemporaryDirectory(prefix="draftflow-deploy-") as tmp:
+        generated = Path(tmp) / "prefect.yaml"
+        generated.write_text(show(spec))
+        cmd = [*prefect_command(), "--no-prompt", "deploy", *select, "--prefect-file", str(generated)]
+        return subprocess.call(cmd, cwd=ROOT, env=env)

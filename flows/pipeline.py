@@ -25,15 +25,7 @@ from flows.deploy import gpu_slot
 from flows.keys import artifact_key
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
-from flows.stages import (
-    curate_flow,
-    evaluate_flow,
-    extract_flow,
-    regenerate_flow,
-    sharded_stage_flow,
-    tokenize_flow,
-    train_flow,
-)
+from flows.stages import curate_flow, evaluate_flow, extract_flow, sharded_stage_flow, train_flow
 from tasks.stage_tasks import prepare_target
 
 
@@ -124,16 +116,15 @@ def pipeline_from_file(config_path: str, overrides: list[str] | None = None) -> 
     return pipeline(cfg)
 
 
-STAGE_FLOWS = {"curate": curate_flow, "regenerate": regenerate_flow, "tokenize": tokenize_flow,
-               "extract": extract_flow, "train": train_flow, "evaluate": evaluate_flow}
-
-
+# The stages whose work is not one task per input shard have a flow of their own (named as the stage);
+# every other stage of the registry runs in the generic sharded flow.
+OWN_FLOWS = {f.name: f for f in (curate_flow, extract_flow, train_flow, evaluate_flow)}
 
 
 def stage_flow(stage: str):
     """The flow of `stage`: its own, or the generic sharded one for a registry stage with `run_shard`."""
-    if stage in STAGE_FLOWS:
-        return STAGE_FLOWS[stage]
+    if stage in OWN_FLOWS:
+        return OWN_FLOWS[stage]
     if spec(stage).run_shard is None:
         from draftflow.errors import ConfigError
 

@@ -106,9 +106,10 @@ def test_deploy_without_a_server_is_one_line():
     _one_line_error(proc, "no Prefect server answers at http://127.0.0.1:9/api")
 
 
-def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
-    """Each entry's parameters fit its entry point's signature; every stage of the registry has one, on
-    the `gpu` pool exactly when its spec says it uses a GPU (or a stage before it does, with upstream=run)."""
+def test_every_deployment_binds_to_its_flow_and_pool():
+    """prefect.yaml's deployments and those generated per stage, as `draftflow deploy --show` prints them: each
+    entry's parameters fit its entry point's signature; every stage of the registry has one, on the `gpu` pool
+    exactly when its spec says it uses a GPU (or a stage before it does, with upstream=run)."""
     import importlib
     import inspect
 
@@ -118,7 +119,11 @@ def test_every_deployment_in_the_yaml_binds_to_its_flow_and_pool():
     from draftflow.stages.registry import spec as stage_spec
 
     STAGES = stage_names()
-    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "deploy", "--show"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    spec = yaml.safe_load(proc.stdout)
+    assert [d["name"] for d in spec["deployments"]][-len(STAGES):] == list(STAGES)  # one per stage, in order
     names = [d["name"] for d in spec["deployments"]]
     assert len(names) == len(set(names)) and set(STAGES) <= set(names)
     for d in spec["deployments"]:

@@ -1,29 +1,36 @@
 """The drafter registry: one `DrafterSpec` per `drafter.kind`, and the lookups.
 
-A kind is one folder, `draftflow/drafters/<kind>/` (see docs/extending.md, "Adding a drafter kind"); it
-is listed here (its full spec) and in `draftflow.drafters.taps` (its light data rule, which tokenize and
-extract read without importing models). Everything that used to branch on the kind (the training
-config, model and objective, evaluate's proposer, exports, serving, the plan's cost model) asks the spec.
+A kind is one folder, `draftflow/drafters/<kind>/`, and one entry in `draftflow.drafters.taps.KINDS` (see
+docs/extending.md, "Adding a drafter kind"): its light data rule is loaded there (tokenize and extract read
+it without importing models), its full spec here (`<kind>/spec.py`'s `SPEC`). Everything that used to
+branch on the kind (the training config, model and objective, evaluate's proposer, exports, serving, the
+plan's cost model) asks the spec.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
 
-from draftflow.drafters.dflash.spec import SPEC as DFLASH
-from draftflow.drafters.eagle3.spec import SPEC as EAGLE3
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.drafters.taps import TAP_RULES, check_drafter, feature_ids, tap_rule
+from draftflow.drafters.taps import KINDS, TAP_RULES, check_drafter, feature_ids, tap_rule
 from draftflow.errors import ConfigError, StoreError
 from draftflow.models.weights import CONFIG_NAME
 
-DRAFTERS: dict[str, DrafterSpec] = {s.kind: s for s in (DFLASH, EAGLE3)}
 
-if set(DRAFTERS) != set(TAP_RULES) or any(s.rule is not TAP_RULES[k] for k, s in DRAFTERS.items()):
-    raise ConfigError(f"drafter kinds differ between draftflow/drafters/registry.py {sorted(DRAFTERS)} and "
-                      f"draftflow/drafters/taps.py {sorted(TAP_RULES)}: list each kind in both")
+def _spec(kind: str) -> DrafterSpec:
+    """`draftflow/drafters/<kind>/spec.py`'s `SPEC` (imported by name: `draftflow.codehash.COMPUTED`), checked
+    against the kind's folder name and data rule."""
+    spec = importlib.import_module(f"draftflow.drafters.{kind}.spec").SPEC
+    if spec.kind != kind or spec.rule is not TAP_RULES[kind]:
+        raise ConfigError(f"draftflow/drafters/{kind}/spec.py: SPEC needs kind={kind!r} and rule=the RULE of "
+                          f"draftflow/drafters/{kind}/taps.py")
+    return spec
+
+
+DRAFTERS: dict[str, DrafterSpec] = {k: _spec(k) for k in KINDS}
 
 __all__ = ["DRAFTERS", "DraftInputs", "DrafterSpec", "check_drafter", "drafter_spec", "feature_ids",
            "load_exported", "spec_for_architecture", "spec_for_export"]
@@ -42,7 +49,7 @@ def drafter_spec(kind: str) -> DrafterSpec:
 def spec_for_architecture(architecture: str | None) -> DrafterSpec:
     """The spec whose checkpoints record `architecture` in config.json (a DFlash one when it is absent)."""
     for spec in DRAFTERS.values():
-        if spec.architecture == (architecture or DFLASH.architecture):
+        if spec.architecture == (architecture or DRAFTERS["dflash"].architecture):
             return spec
     known = sorted(s.architecture for s in DRAFTERS.values())
     raise ConfigError(f"checkpoint architecture {architecture!r} is not a draftflow drafter; known: {known}")

@@ -7,21 +7,35 @@ shards against it), evaluate reads the ids from the checkpoint, and the plan's p
 
 Deliberately light (each kind's `taps.py`: config, layers, errors): the tokenize and extract stages
 import it, and a stage's code fingerprint is its import closure, so nothing here may import torch,
-models, training or exports. Trade-off: a kind is listed twice, here and in `drafters/registry.py`
-(its full spec); the registry refuses to load when the two lists differ.
+models, training or exports. Trade-off: the kinds' modules are imported by name (one list, `KINDS`, for
+this light registry and the full one), which `draftflow.codehash` is told of (`COMPUTED`) rather than
+reading it from import statements.
 """
 
 from __future__ import annotations
 
+import importlib
+
 from draftflow.config import DrafterConfig
-from draftflow.drafters.dflash import taps as dflash_rule
-from draftflow.drafters.eagle3 import taps as eagle3_rule
 from draftflow.drafters.rule import DataRule
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL
 
-# One line per kind (its light rule); `draftflow.drafters.registry` lists the same kinds' full specs.
-TAP_RULES: dict[str, DataRule] = {r.kind: r for r in (dflash_rule.RULE, eagle3_rule.RULE)}
+# The drafter kinds: one entry per kind, the name of its folder `draftflow/drafters/<kind>/` (the list every
+# part of draftflow reads: `draftflow.drafters.registry` loads each one's spec).
+KINDS = ("dflash", "eagle3")
+
+
+def _rule(kind: str) -> DataRule:
+    """`draftflow/drafters/<kind>/taps.py`'s `RULE`. Imported by name, so `draftflow.codehash.COMPUTED` names
+    every kind's taps.py as part of this module's code (a stage's fingerprint still covers them)."""
+    rule = importlib.import_module(f"draftflow.drafters.{kind}.taps").RULE
+    if rule.kind != kind:
+        raise ConfigError(f"draftflow/drafters/{kind}/taps.py: RULE.kind is {rule.kind!r}; set it to {kind!r}")
+    return rule
+
+
+TAP_RULES: dict[str, DataRule] = {k: _rule(k) for k in KINDS}
 
 
 def tap_rule(kind: str) -> DataRule:

@@ -88,11 +88,12 @@ def _from_train(store: Store, name: str, fp: str) -> OtherDrafter | None:
 
 def _from_export(name: str, folder: Path) -> OtherDrafter:
     from draftflow.drafters.export import read_trained_on
+    from draftflow.drafters.registry import spec_for_export
 
     files = sorted(p for p in folder.iterdir() if p.is_file())
     sums = {p.name: sha256_file(p) for p in files}
     data = json.loads((folder / "config.json").read_text())
-    kind = "eagle3" if "eagle3" in json.dumps(data).lower() else "dflash"
+    kind = spec_for_export(data).kind
     return OtherDrafter(
         name=name, label=f"{PREFIX}{kind}@{folder.parent.name}/{folder.name}", digest=digest(sums), folder=str(folder),
         extract_dtype=read_trained_on(folder).get("extract_dtype"),

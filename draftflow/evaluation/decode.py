@@ -26,9 +26,9 @@ import logging
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from draftflow.config import EvaluateConfig
-from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.evaluation.baselines import Baseline
@@ -100,7 +100,7 @@ def _finish(tokens: list[int], max_new_tokens: int, eos_ids: set[int]) -> tuple[
 
 
 def speculative_generate(
-    target, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
+    target, drafter: nn.Module, prompt_ids: list[int], max_new_tokens: int, eos_ids: set[int],
     round_features: RoundFn | None = None,
 ) -> tuple[list[int], list[int]]:
     """Greedy speculative decoding; output equals `greedy_generate` (lossless).
@@ -158,7 +158,7 @@ def greedy_generate(target, prompt_ids: list[int], max_new_tokens: int, eos_ids:
 
 def evaluate_prompts(
     target,
-    drafter: DFlashDrafter,
+    drafter: nn.Module,
     prompts: list[list[int]],
     ecfg: EvaluateConfig,
     eos_ids: set[int],

@@ -99,7 +99,9 @@ class StageSpec:
 
     Attributes:
         name: the stage's folder under the run root and its flow's name.
-        upstream: the stages whose manifests it reads, in the order its flow receives them.
+        upstream: the stages whose manifests it reads, in the order its flow receives them; None: the stage
+            before it in the registry (so a stage put between two others needs no edit to the one after it).
+        about: what it does, in one line (its deployment's description).
         sections: config sections (or dotted fields) in its fingerprint (`config.STAGE_SECTIONS`).
         gpu: "shards" (each shard task holds GPU slots), "stage" (the whole stage holds them) or None.
         gpus: GPUs one unit of work occupies under a config (0 for CPU stages).
@@ -119,7 +121,8 @@ class StageSpec:
     """
 
     name: str
-    upstream: tuple[str, ...]
+    upstream: tuple[str, ...] | None = None
+    about: str = ""
     gpu: str | None = None
     gpus: Callable[[RunConfig], int] = _no_gpus
     split: str | None = None
@@ -139,26 +142,36 @@ class StageSpec:
             object.__setattr__(self, "sections", STAGE_SECTIONS[self.name])
 
 
-_REGISTRY: list[StageSpec] = [
-    StageSpec("curate", (), uses_target=False, size=_size("curate"), seconds=_seconds("curate"), unit="conversations"),
-    StageSpec("regenerate", ("curate",), gpu="shards", gpus=_vllm_group(lambda c: c.regenerate.engine),
-              split="train", run_shard=_in_stage("regenerate", "run_shard"),
-              check=_in_stage("regenerate", "check_engine"),
+def _chained(stages: list[StageSpec]) -> list[StageSpec]:
+    """`stages` with each unset `upstream` set to the stage before it."""
+    return [dataclasses.replace(s, upstream=(stages[i - 1].name,) if i else ()) if s.upstream is None else s
+            for i, s in enumerate(stages)]
+
+
+# The stages, in pipeline order: one entry each.
+_REGISTRY: list[StageSpec] = _chained([
+    StageSpec("curate", (), "Curate the sources (CPU).", uses_target=False, size=_size("curate"),
+              seconds=_seconds("curate"), unit="conversations"),
+    StageSpec("regenerate", about="Regenerate the answers with the target.", gpu="shards",
+              gpus=_vllm_group(lambda c: c.regenerate.engine), split="train",
+              run_shard=_in_stage("regenerate", "run_shard"), check=_in_stage("regenerate", "check_engine"),
               libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
               unit="conversations"),
-    StageSpec("tokenize", ("regenerate",), run_shard=_in_stage("tokenize", "run_shard"),
+    StageSpec("tokenize", about="Tokenize with assistant-only loss masks (CPU).",
+              run_shard=_in_stage("tokenize", "run_shard"),
               finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
               more_inputs=_tokenize_inputs, unit="sequences"),
-    StageSpec("extract", ("tokenize",), gpu="shards", gpus=_vllm_group(lambda c: c.extract.engine), split="train",
-              run_shard=_in_stage("extract", "run_shard"), libraries=TARGET_LIBRARIES, size=_size("extract"),
-              seconds=_seconds("extract"), unit="sequences"),
-    StageSpec("train", ("extract",), gpu="stage", gpus=lambda c: c.train.nproc_per_node,
+    StageSpec("extract", about="Capture the target's hidden states at the taps.", gpu="shards",
+              gpus=_vllm_group(lambda c: c.extract.engine), split="train", run_shard=_in_stage("extract", "run_shard"),
+              libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"), unit="sequences"),
+    StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), unit="sequences"),
-    StageSpec("evaluate", ("curate", "train"), gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
+    StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",
+              gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
               more_inputs=_compare_with_inputs, unit="prompts"),
-]
+])
 
 
 def registry() -> tuple[StageSpec, ...]:
