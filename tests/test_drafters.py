@@ -8,15 +8,15 @@ import pytest
 
 from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.registry import DRAFTERS, drafter_spec, spec_for_architecture
-from draftflow.drafters.taps import check_drafter, feature_ids
+from draftflow.drafters.taps import KINDS, check_drafter, feature_ids
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL
 
 
-def test_the_registry_has_both_kinds_with_every_part():
-    assert set(DRAFTERS) == {"dflash", "eagle3"}
+def test_the_registry_has_every_kind_with_every_part():
+    assert list(DRAFTERS) == list(KINDS) and {"dflash", "eagle3"} <= set(KINDS)
     for kind, spec in DRAFTERS.items():
-        assert spec.kind == kind and spec.title and spec.vllm_method == kind
+        assert spec.kind == kind and spec.title and spec.vllm_method in ("dflash", "eagle3")
         assert set(spec.exporters) == {"vllm", "speculators"}
         assert spec_for_architecture(spec.architecture) is spec
         assert "config.json" in spec.export_files("speculators")
@@ -37,7 +37,7 @@ def test_feature_ids_are_resolved_by_one_rule_per_kind():
     (DrafterConfig(num_layers=2, layer_types=["full_attention"]), "layer_types has 1 entries"),
     (DrafterConfig(num_layers=1, layer_types=["global"]), "unknown"),
     (DrafterConfig(num_layers=1, layer_types=["sliding_attention"]), "sliding_window"),
-    (DrafterConfig(kind="medusa"), "known: dflash, eagle3"),
+    (DrafterConfig(kind="medusa"), "known: " + ", ".join(sorted(KINDS))),
 ])
 def test_target_free_drafter_errors_are_one_line_config_errors(drafter, match):
     with pytest.raises(ConfigError, match=match) as err:
@@ -61,18 +61,28 @@ def test_the_cost_model_differs_per_kind():
     shape = {"hidden": 4096, "layer_params": 200_000_000, "head_params": 151936 * 4096}
     flops = {kind: spec.train_flops(RunConfig(drafter=DrafterConfig(kind=kind)), 3072.0, shape)
              for kind, spec in DRAFTERS.items()}
-    assert flops["dflash"] > 0 and flops["eagle3"] > 0 and flops["dflash"] != flops["eagle3"]
+    assert all(f > 0 for f in flops.values()) and flops["dflash"] != flops["eagle3"]
     assert len({spec.cost_note for spec in DRAFTERS.values()}) == len(DRAFTERS)
 
 
-def test_a_new_kind_is_one_registry_entry(monkeypatch):
+def test_an_unknown_kind_names_the_known_ones():
+    with pytest.raises(ConfigError, match=r"drafter.kind='mine' is not a drafter kind; known: " + ", ".join(KINDS)):
+        drafter_spec("mine")
+
+
+def test_a_kind_folder_whose_rule_or_spec_names_another_kind_fails_in_one_line(monkeypatch):
+    """A kind is its folder's name (docs/extending.md, "Adding a drafter kind"): a copied folder whose RULE or SPEC
+    still says the old kind is refused by name."""
+    import draftflow.drafters.dflash.spec as dflash_spec
+    import draftflow.drafters.dflash.taps as dflash_taps
     import draftflow.drafters.registry as registry
     import draftflow.drafters.taps as taps
 
-    with pytest.raises(ConfigError, match=r"drafter.kind='mine' is not a drafter kind; known: dflash, eagle3"):
-        drafter_spec("mine")
-    mine = dataclasses.replace(DRAFTERS["dflash"], kind="mine", title="Mine", architecture="MineDrafter")
-    monkeypatch.setitem(registry.DRAFTERS, "mine", mine)
-    monkeypatch.setitem(taps.TAP_RULES, "mine", mine.rule)
-    assert drafter_spec("mine") is mine and spec_for_architecture("MineDrafter") is mine
-    assert feature_ids(DrafterConfig(kind="mine", num_taps=5), 36) == [1, 9, 17, 25, 33]
+    monkeypatch.setattr(dflash_taps, "RULE", dataclasses.replace(dflash_taps.RULE, kind="copied"))
+    with pytest.raises(ConfigError, match=r"^draftflow/drafters/dflash/taps.py: RULE.kind is 'copied'; set it to "
+                       r"'dflash'$"):
+        taps._rule("dflash")
+    monkeypatch.undo()
+    monkeypatch.setattr(dflash_spec, "SPEC", dataclasses.replace(dflash_spec.SPEC, kind="copied"))
+    with pytest.raises(ConfigError, match=r"^draftflow/drafters/dflash/spec.py: SPEC needs kind='dflash'"):
+        registry._spec("dflash")

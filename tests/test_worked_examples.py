@@ -1,0 +1,86 @@
+"""docs/extending.md's two worked examples, applied exactly as written to a copy of the repository: a stage
+(`short_answers`) and a drafter kind (`flat`). Each touches one new module or folder and one registry line;
+with both in, the fast suite passes in the copy, and the tiny pipeline runs the new stage and trains, exports
+and evaluates the new kind (`tests/docsteps.py` reads the steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.docsteps import apply, steps
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "extending.md").read_text()
+STAGE, KIND = "Adding a stage", "Adding a drafter kind"
+
+
+def test_each_example_touches_one_new_module_and_one_registry_line(tmp_path):
+    for rel in ("draftflow/stages/registry.py", "draftflow/drafters/taps.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    stage = apply(tmp_path, steps(DOC, STAGE))
+    assert stage == {"draftflow/stages/short_answers.py", "draftflow/stages/registry.py"}
+    kind = apply(tmp_path, steps(DOC, KIND))
+    assert {p for p in kind if not p.startswith("draftflow/drafters/flat/")} == {"draftflow/drafters/taps.py"}
+    def new_lines(rel: str) -> tuple[list[str], int]:
+        before, after = (ROOT / rel).read_text().splitlines(), (tmp_path / rel).read_text().splitlines()
+        return [line for line in after if line not in before], len(after) - len(before)
+
+    added, grown = new_lines("draftflow/stages/registry.py")  # one entry (two lines) put in
+    assert added[0].lstrip().startswith('StageSpec("short_answers"') and grown == len(added) == 2
+    added, grown = new_lines("draftflow/drafters/taps.py")  # one line changed
+    assert added == ['KINDS = ("dflash", "eagle3", "flat")'] and grown == 0
+
+
+def test_a_step_that_cannot_apply_fails_by_name(tmp_path):
+    (tmp_path / "a.py").write_text("X = 1\nX = 2\n")
+    with pytest.raises(AssertionError, match=r"a.py: 2 lines start with 'X ='"):
+        apply(tmp_path, [({"edit": "a.py"}, "X = 3\n")])
+
+
+def _copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        if (ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / rel, dest / rel)
+
+
+@pytest.mark.slow
+def test_both_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
+    repo = tmp_path / "repo"
+    _copy_repo(repo)
+    apply(repo, steps(DOC, STAGE) + steps(DOC, KIND))
+    env = {**os.environ, "PYTHONPATH": str(repo), "DRAFTFLOW_CACHE": os.environ.get("DRAFTFLOW_CACHE", "")}
+    env = {k: v for k, v in env.items() if v}
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+                            "not vllm and not slow and not reliability"], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=1800)
+    assert suite.returncode == 0, suite.stdout[-4000:] + suite.stderr[-2000:]
+
+    run_root = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set",
+                          f"root={run_root}", "--set", "drafter.kind=flat"],
+                         cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    stages = {p.name: p for p in run_root.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    assert {"short_answers", "tokenize", "train", "evaluate"} <= set(stages)
+    manifest = lambda stage: json.loads(next(stages[stage].glob("*/manifest.json")).read_text())  # noqa: E731
+    assert set(manifest("tokenize")["inputs"]) >= {"short_answers"} and "regenerate" not in manifest("tokenize")[
+        "inputs"]
+    ours = manifest("short_answers")
+    assert ours["rows_in"] == manifest("regenerate")["rows_out"] and ours["rows_out"] == manifest("tokenize")["rows_in"]
+    train = next(stages["train"].glob("*"))
+    checkpoint = json.loads((train / "checkpoint" / "config.json").read_text())
+    assert checkpoint["architecture"] == "FlatDFlashDrafter"
+    assert (train / "export" / "vllm" / "model.safetensors").is_file()
+    report = json.loads(next(stages["evaluate"].glob("*/report.json")).read_text())
+    assert report["tau"] >= 1.0
