@@ -116,13 +116,14 @@ def test_library_imports_no_module_by_computed_name():
 
 def test_library_versions_enter_the_stages_they_shape_as_a_fingerprint_input():
     from draftflow.config import RunConfig
-    from draftflow.stages.registry import spec, stage_inputs
+    from draftflow.stages.registry import spec, stage_inputs, stage_names
 
     cfg = RunConfig()
+    digests = {s: "d" for s in stage_names()}
     assert "libraries" not in stage_inputs(cfg, "curate", None, {})
-    tok = stage_inputs(cfg, "tokenize", "t", {"regenerate": "d"})["libraries"]
+    tok = stage_inputs(cfg, "tokenize", "t", digests)["libraries"]
     names = [p.split("=")[0] for p in tok.split(";")]
     assert names == list(spec("tokenize").libraries) == ["transformers", "tokenizers"]
     assert "+" not in tok  # no local build tags: 2.13.0+cpu and 2.13.0+cu130 agree
-    extract = stage_inputs(cfg, "extract", "t", {"tokenize": "d"})["libraries"]
+    extract = stage_inputs(cfg, "extract", "t", digests)["libraries"]
     assert extract.startswith("torch=") and "+" not in extract

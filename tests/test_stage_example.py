@@ -77,7 +77,7 @@ def test_a_stage_added_through_the_registry_runs_is_planned_and_fingerprinted(pr
         assert manifest["config"] == {}  # sections=(): its code and its input are its fingerprint
         assert set(manifest["inputs"]) == {"target", "regenerate"}
         tok = json.loads((Path(stages["tokenize"]["path"]) / "manifest.json").read_text())
-        assert set(tok["inputs"]) == {"target", "libraries", "short_answers"}  # read the new stage's output
+        assert set(tok["inputs"]) == {"target", "libraries", "min_supervised_tokens", "short_answers"}  # read it
         assert stages["tokenize"]["rows_in"] == ours["rows_out"]
 
         status = {s["stage"]: s for s in stage_status(cfg, target)}

@@ -23,6 +23,8 @@ STAGE, KIND = "Adding a stage", "Adding a drafter kind"
 
 
 def test_each_example_touches_one_new_module_and_one_registry_line(tmp_path):
+    if (ROOT / "draftflow/stages/short_answers.py").exists():
+        pytest.skip("the examples are in already (this is the copy the slow test below made)")
     for rel in ("draftflow/stages/registry.py", "draftflow/drafters/taps.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)

@@ -60,7 +60,7 @@ def eval_rows(store: Store, curated: StageResult) -> list[dict[str, Any]]:
     """Curate's eval split, in its (shuffled) order; checksums verified."""
     rows = []
     for shard in curated.manifest.data_shards("eval"):
-        rows += read_rows(store.verify_sha("curate", curated.fingerprint, shard))
+        rows += read_rows(store.verify_sha(curated.stage, curated.fingerprint, shard))
     if not rows:
         raise ConfigError("no eval prompts: set curate.eval_fraction above 0, or `split: eval` on a curate source, "
                           "so curate keeps an eval split")
@@ -96,7 +96,7 @@ def load_drafter(store: Store, trained: StageResult, model):
     """The trained drafter around the target's shared embedding and head (checksums verified)."""
     with tempfile.TemporaryDirectory(prefix="draftflow-drafter-") as folder:
         for s in trained.manifest.shards:
-            local = store.verify_sha("train", trained.fingerprint, s)
+            local = store.verify_sha(trained.stage, trained.fingerprint, s)
             (Path(folder) / Path(s.name).name).write_bytes(Path(local).read_bytes())
         arch = json.loads((Path(folder) / "config.json").read_text()).get("architecture")
         return spec_for_architecture(arch).model.load(folder, model)
@@ -227,7 +227,7 @@ def _export_folders(store: Store, trained: StageResult, into: Path) -> dict[str,
     for s in map(ShardEntry.model_validate, trained.manifest.extra.get("files", [])):
         parts = Path(s.name).parts
         if len(parts) == 3 and parts[0] == "export":
-            local = Path(store.verify_sha("train", trained.fingerprint, s))
+            local = Path(store.verify_sha(trained.stage, trained.fingerprint, s))
             (into / parts[1]).mkdir(parents=True, exist_ok=True)
             (into / parts[1] / parts[2]).write_bytes(local.read_bytes())
             folders[parts[1]] = into / parts[1]

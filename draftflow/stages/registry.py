@@ -143,7 +143,10 @@ class StageSpec:
 
 
 def _chained(stages: list[StageSpec]) -> list[StageSpec]:
-    """`stages` with each unset `upstream` set to the stage before it."""
+    """`stages` with each unset `upstream` set to the stage before it; the config sections of a stage that names
+    its own (a stage `config.STAGE_SECTIONS` does not list) recorded there, where fingerprints read them."""
+    for s in stages:
+        STAGE_SECTIONS.setdefault(s.name, s.sections)
     return [dataclasses.replace(s, upstream=(stages[i - 1].name,) if i else ()) if s.upstream is None else s
             for i, s in enumerate(stages)]
 
