@@ -69,8 +69,9 @@ def test_both_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     assert suite.returncode == 0, suite.stdout[-4000:] + suite.stderr[-2000:]
 
     run_root = tmp_path / "run"
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set",
-                          f"root={run_root}", "--set", "drafter.kind=flat"],
+    small = ["train.max_steps=100", "evaluate.num_prompts=6", "evaluate.ddtree_budgets=[1]"]  # the run, not its tau
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set", f"root={run_root}",
+                          "--set", "drafter.kind=flat", *(a for kv in small for a in ("--set", kv))],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stages = {p.name: p for p in run_root.iterdir() if p.is_dir() and not p.name.startswith("_")}
