@@ -172,7 +172,7 @@ def cmd_run(args) -> int:
                 where = getattr(exc, "filename", None) or f"the run root {cfg.root}"
                 more = space_to_finish(cfg, target) if cause == "no_space" else ""
                 raise DraftflowError(storage_error_message(exc, where) + more) from None
-    w = max(11, *(len(s["stage"]) for s in summary["stages"]))  # the stage column fits every name
+    w = max([11, *(len(s["stage"]) for s in summary["stages"])])  # the stage column fits every name
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<{w}} {s['status']:<7} {s['rows_in']:>6} -> {s['rows_out']:<6} "
