@@ -25,11 +25,12 @@ import time
 import torch
 
 from draftflow.config import DrafterConfig
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.model import Eagle3Drafter
 from draftflow.evaluation.cached import speculative_generate_cached
 from draftflow.evaluation.decode import speculative_generate
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
-from draftflow.models.eagle3 import Eagle3Config, Eagle3Drafter
 
 
 class TimedTarget:

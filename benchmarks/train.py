@@ -23,10 +23,10 @@ import torch
 
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.batches import total_steps, warmup_cosine
-from draftflow.drafters.objectives import DFlashObjective
+from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.dflash.objective import DFlashObjective
 from draftflow.features import FeatureSample
-from draftflow.models.dflash import DFlashDrafter
-from draftflow.models.dflash_config import DFlashConfig
 from draftflow.training.distributed import DistEnv
 from draftflow.training.loop import _Run, _train_step
 
