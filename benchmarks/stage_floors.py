@@ -150,7 +150,7 @@ def new_drafter(cfg: RunConfig, model, tokenizer, folder: str | None):
     """A fresh drafter of the config's kind around the target (seeded), or the one saved in `folder`."""
     spec = spec_for_architecture(read_weights_and_config(folder)[0].get("architecture")) if folder \
         else drafter_spec(cfg.drafter.kind)
-    if spec.kind != "dflash":
+    if spec.model is not drafter_spec("dflash").model:
         raise SystemExit(f"error: stage_floors' train floor drives DFlash block batches, not {spec.kind} drafters")
     if folder:
         return spec.model.load(folder, model)

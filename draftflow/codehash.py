@@ -29,12 +29,13 @@ from pathlib import Path
 
 PACKAGE = "draftflow"
 ROOT = Path(__file__).parent
-# Modules that import others by a computed name -> the files (globs under the package) they may import.
-# The drafter registries: a kind is a folder, listed by name (`draftflow.drafters.taps.KINDS`).
+# Modules that import others by a computed name -> the files they may import: patterns in which {kind} is
+# each drafter kind, as `draftflow/drafters/taps.py` lists them (`KINDS`, read from the source, not imported).
 COMPUTED = {
-    f"{PACKAGE}.drafters.taps": ("drafters/*/taps.py",),
-    f"{PACKAGE}.drafters.registry": ("drafters/*/*.py",),
+    f"{PACKAGE}.drafters.taps": ("drafters/{kind}/taps.py",),
+    f"{PACKAGE}.drafters.registry": ("drafters/{kind}/*.py",),
 }
+KINDS_FILE = "drafters/taps.py"
 
 
 def module_file(root: Path, module: str) -> Path | None:
@@ -106,9 +107,20 @@ def closure(root: Path, module: str) -> list[Path]:
     return sorted(seen)
 
 
+def _kinds(root: Path) -> tuple[str, ...]:
+    """`KINDS` as `KINDS_FILE` assigns it (a literal tuple of folder names)."""
+    for node in ast.parse((root / KINDS_FILE).read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KINDS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise ValueError(f"{root / KINDS_FILE} assigns no KINDS tuple")
+
+
 def _computed(root: Path, module: str) -> list[str]:
-    """The modules `module` imports by a computed name (`COMPUTED`), as dotted names."""
-    return [_module_name(root, p) for g in COMPUTED.get(module, ()) for p in sorted(root.glob(g))]
+    """The modules `module` imports by a computed name (`COMPUTED`), as dotted names: only listed kinds' files, so
+    a kind folder that is not in `KINDS` (work in progress) changes no fingerprint."""
+    patterns = COMPUTED.get(module, ())
+    kinds = _kinds(root) if patterns else ()
+    return [_module_name(root, p) for g in patterns for k in kinds for p in sorted(root.glob(g.format(kind=k)))]
 
 
 def source_hash(root: Path, files: list[Path], extra_dirs: tuple[str, ...] = ("assets",)) -> str:

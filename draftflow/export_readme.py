@@ -14,9 +14,8 @@ trained, so that one runs as printed.
 vLLM facts relied on (vLLM `config/speculative.py`, `transformers_utils/config.py`,
 `transformers_utils/configs/speculators/base.py`): `--speculative-config` takes JSON with
 `method`, `model` (the draft folder) and `num_speculative_tokens`; which method and how many
-drafts a kind's export takes is the kind's to say (`DrafterSpec.vllm_method`, `drafts_per_step`), and the
-export records it (`SERVE_KEY`). A speculators-format
-folder may instead be served alone (`vllm serve DIR`): vLLM then takes the target from
+drafts a kind's export takes is the kind's exporter's to say, and the export records it (`SERVE_KEY`).
+A speculators-format folder may instead be served alone (`vllm serve DIR`): vLLM then takes the target from
 `speculators_config.verifier.name_or_path` and the method from `speculators_model_type`.
 """
 

@@ -126,7 +126,12 @@ def deployment_spec() -> dict[str, Any]:
     import yaml
 
     spec = yaml.safe_load(PREFECT_FILE.read_text())
-    spec["deployments"] = spec["deployments"] + stage_deployments(spec["definitions"])
+    stages = stage_deployments(spec["definitions"])
+    clash = {d["name"] for d in spec["deployments"]} & {d["name"] for d in stages}
+    if clash:
+        raise DraftflowError(f"deployment {sorted(clash)[0]!r} is in {PREFECT_FILE.relative_to(ROOT)} and is a stage "
+                             "of the registry; rename the one in the file")
+    spec["deployments"] = spec["deployments"] + stages
     return spec
 
 

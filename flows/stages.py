@@ -32,9 +32,10 @@ def target_ref(target: dict) -> TargetRef:
     return TargetRef(**target)
 
 
-def _inputs(cfg: RunConfig, stage: str, target: dict, **upstream: StageResult) -> dict[str, str]:
-    """The stage's fingerprint inputs, computed as `plan` computes them (`registry.stage_inputs`)."""
-    return stage_inputs(cfg, stage, target["fingerprint"], {k: v.digest for k, v in upstream.items()})
+def _inputs(cfg: RunConfig, stage: str, target: dict, *upstream: StageResult) -> dict[str, str]:
+    """The stage's fingerprint inputs, computed as `plan` computes them (`registry.stage_inputs`), from the
+    upstream results it was handed (each under its own stage's name)."""
+    return stage_inputs(cfg, stage, target["fingerprint"], {u.stage: u.digest for u in upstream})
 
 
 @flow(name="curate", task_runner=StageTaskRunner("curate", max_workers=os.cpu_count() or 2))
@@ -70,7 +71,7 @@ def sharded_stage_flow(stage: str):
     @flow(name=stage, task_runner=StageTaskRunner(stage))
     def stage_flow(cfg: RunConfig, target: dict, upstream: StageResult) -> StageResult:
         s = spec(stage)  # read at run time: a test may put a stage in front of this one
-        inputs = _inputs(cfg, stage, target, **{upstream.stage: upstream})
+        inputs = _inputs(cfg, stage, target, upstream)
 
         def work(store, fp):
             if s.check:  # e.g. an unreachable endpoint fails here, before any shard
@@ -89,7 +90,7 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
     """Feature shards are checked by size before the stage is reused (hashing terabytes every run
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
     cache; a bad one drops the manifest and only that shard is recomputed."""
-    inputs = _inputs(cfg, "extract", target, tokenize=tokenized)
+    inputs = _inputs(cfg, "extract", target, tokenized)
     store, fp, _ = reuse(cfg, "extract", inputs)
     drop_manifest_if_damaged(store, fp)
 
@@ -123,7 +124,7 @@ def every_core():
 
 @flow(name="train")
 def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
-    inputs = _inputs(cfg, "train", target, extract=features)
+    inputs = _inputs(cfg, "train", target, features)
 
     def work(store, fp):
         with every_core():
@@ -136,7 +137,7 @@ def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResu
 
 @flow(name="evaluate")
 def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: StageResult) -> StageResult:
-    inputs = _inputs(cfg, "evaluate", target, curate=curated, train=trained)
+    inputs = _inputs(cfg, "evaluate", target, curated, trained)
 
     def work(store, fp):
         with every_core():

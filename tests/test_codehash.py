@@ -85,6 +85,11 @@ def test_a_kinds_files_count_for_the_stages_that_load_them_by_name(tmp_path):
     with (root / "drafters/eagle3/taps.py").open("a") as f:
         f.write("# an edit\n")
     assert _hash(root, "draftflow.stages.extract") != after["extract"]
+    train = _hash(root, "draftflow.stages.train")
+    (root / "drafters/wip").mkdir()  # a kind folder not (yet) in KINDS changes nothing
+    (root / "drafters/wip/spec.py").write_text("SPEC = None\n")
+    (root / "drafters/wip/taps.py").write_text("RULE = None\n")
+    assert _hash(root, "draftflow.stages.train") == train
 
 
 def test_the_data_stages_see_each_kinds_data_rule_and_nothing_else_of_it():

@@ -16,7 +16,7 @@ from draftflow.layers import FINAL
 def test_the_registry_has_every_kind_with_every_part():
     assert list(DRAFTERS) == list(KINDS) and {"dflash", "eagle3"} <= set(KINDS)
     for kind, spec in DRAFTERS.items():
-        assert spec.kind == kind and spec.title and spec.vllm_method in ("dflash", "eagle3")
+        assert spec.kind == kind and spec.title
         assert set(spec.exporters) == {"vllm", "speculators"}
         assert spec_for_architecture(spec.architecture) is spec
         assert "config.json" in spec.export_files("speculators")

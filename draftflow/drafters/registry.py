@@ -31,6 +31,8 @@ def _spec(kind: str) -> DrafterSpec:
 
 
 DRAFTERS: dict[str, DrafterSpec] = {k: _spec(k) for k in KINDS}
+# Checkpoints written before kinds recorded their architecture are DFlash ones.
+UNRECORDED_ARCHITECTURE = "DFlashDrafter"
 
 __all__ = ["DRAFTERS", "DraftInputs", "DrafterSpec", "check_drafter", "drafter_spec", "feature_ids",
            "load_exported", "spec_for_architecture", "spec_for_export"]
@@ -49,7 +51,7 @@ def drafter_spec(kind: str) -> DrafterSpec:
 def spec_for_architecture(architecture: str | None) -> DrafterSpec:
     """The spec whose checkpoints record `architecture` in config.json (a DFlash one when it is absent)."""
     for spec in DRAFTERS.values():
-        if spec.architecture == (architecture or DRAFTERS["dflash"].architecture):
+        if spec.architecture == (architecture or UNRECORDED_ARCHITECTURE):
             return spec
     known = sorted(s.architecture for s in DRAFTERS.values())
     raise ConfigError(f"checkpoint architecture {architecture!r} is not a draftflow drafter; known: {known}")

@@ -1,7 +1,7 @@
 """`DrafterSpec`: everything the pipeline needs to know about one drafter kind, in one frozen record.
 
 A spec is data plus small functions; the stages, training, evaluation, exports and the plan look
-a kind up (`draftflow.drafters.drafter_spec`) instead of branching on `drafter.kind`. What it
+a kind up (`draftflow.drafters.registry.drafter_spec`) instead of branching on `drafter.kind`. What it
 deliberately does not know: stores, manifests, Prefect. Trade-off: fields are plain callables
 rather than methods of a subclass per kind, so a spec reads as one table and needs no base class.
 """
@@ -44,6 +44,8 @@ class DrafterSpec:
         architecture: the `architecture` a checkpoint's config.json records (chooses `model` on load).
         model: the drafter module class; `model.load(folder, target_model)` loads a checkpoint.
         rule: the kind's data rule (taps, checks, minimum supervised tokens: its light `taps.py`).
+        mask_token: the kind fills draft slots with a mask token (training finds one unless
+            `drafter.mask_token_id` is set: `DraftInputs.mask_token_id`).
         draft_vocab: (token counts, target vocabulary size, size) -> (d2t, t2d) for a kind that drafts over
             its own vocabulary (training chooses it from tokenize's counts); None: the target's.
         config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
@@ -58,8 +60,6 @@ class DrafterSpec:
         export_files: format -> the files an export folder holds.
         owns_export: (an export's config.json) -> whether this kind wrote it (either format).
         load_export: (folder, its config.json, target model) -> the drafter, loaded back.
-        vllm_method: vLLM's `--speculative-config` method (its exports record it with `drafts_per_step`:
-            `draftflow.export_readme.SERVE_KEY`).
         train_flops: (run config, mean sequence length T, target shape of `estimate.model_shape`)
             -> FLOPs to train on one sequence (the drafter's part; the plan adds online extraction).
         cost_note: the cost model in words (`draftflow plan` prints it).
@@ -71,6 +71,7 @@ class DrafterSpec:
     architecture: str
     model: type
     rule: DataRule
+    mask_token: bool
     draft_vocab: Callable[[Counter, int, int], tuple[list[int], list[bool]]] | None
     config_from_target: Callable[[Any, DrafterConfig, DraftInputs], Any]
     build: Callable[..., Any]
@@ -82,7 +83,6 @@ class DrafterSpec:
     export_files: Callable[[str], tuple[str, ...]]
     owns_export: Callable[[dict[str, Any]], bool]
     load_export: Callable[[Path, dict[str, Any], Any], Any]
-    vllm_method: str
     train_flops: Callable[[RunConfig, float, dict[str, Any]], float]
     cost_note: str
     drafting: Callable[[DrafterConfig], str]

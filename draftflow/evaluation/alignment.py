@@ -4,7 +4,7 @@ A drafter trained with labels shifted by one (slot k learning token a+k+1, a kno
 still accepts tokens on repetitive text, where a token often equals its neighbour, so its
 tau can look plausible and even beat an untrained drafter. This check separates it from a
 correct one on the same data: run the drafter on teacher-forced blocks (the training layout,
-`draftflow.drafters.batches.make_block_batch`) at every anchor of known sequences, and count,
+`draftflow.drafters.dflash.batches.make_block_batch`) at every anchor of known sequences, and count,
 only at positions where the tokens at a+k-1, a+k and a+k+1 all differ, how often slot k's
 greedy draft equals each of them. A correctly trained drafter matches offset 0 most;
 one trained on shifted labels matches offset +1 most.

@@ -53,7 +53,7 @@ def category_table(stats: dict[str, Any]) -> list[str]:
 def baseline_table(stats: dict[str, Any], drafter_title: str) -> list[str]:
     speed = (stats.get("speedup") or {}).get("projected_per_proposer", {})
     lines = [
-        "## Baselines (same prompts, same block size, lossless-checked)",
+        "## Baselines (same prompts, same drafts per step, lossless-checked)",
         "",
         "| proposer | τ | steps | tokens | projected speedup |",
         "|---|---|---|---|---|",

@@ -2,7 +2,7 @@
 
 Tap ids follow DFlash semantics (`draftflow.layers`): id L is the output of
 decoder layer L, `hidden_states[L + 1]`; the ids stored are the drafter kind's
-(`draftflow.drafters.feature_ids`; EAGLE-3 adds `layers.FINAL`, the target's final normed state).
+(`draftflow.drafters.taps.feature_ids`; EAGLE-3 adds `layers.FINAL`, the target's final normed state).
 A capture engine (`draftflow.capture`:
 transformers hooks on the tap layers only, or vLLM) runs length-sorted batches,
 halved on CUDA out-of-memory; features are stored bf16, fp32 or fp8 with

@@ -100,7 +100,8 @@ class StageSpec:
     Attributes:
         name: the stage's folder under the run root and its flow's name.
         upstream: the stages whose manifests it reads, in the order its flow receives them; None: the stage
-            before it in the registry (so a stage put between two others needs no edit to the one after it).
+            before it in the registry (so a stage put before regenerate, tokenize or extract needs no edit to
+            them: they read what they are handed; train still finds tokenize's token counts by that name).
         about: what it does, in one line (its deployment's description).
         sections: config sections (or dotted fields) in its fingerprint (`config.STAGE_SECTIONS`).
         gpu: "shards" (each shard task holds GPU slots), "stage" (the whole stage holds them) or None.
@@ -139,6 +140,9 @@ class StageSpec:
 
     def __post_init__(self) -> None:
         if self.sections is None:
+            if self.name not in STAGE_SECTIONS:
+                raise ConfigError(f"stage {self.name!r}: give its StageSpec sections=(...), the config fields in its "
+                                  "fingerprint (() for none)")
             object.__setattr__(self, "sections", STAGE_SECTIONS[self.name])
 
 
@@ -146,7 +150,9 @@ def _chained(stages: list[StageSpec]) -> list[StageSpec]:
     """`stages` with each unset `upstream` set to the stage before it; the config sections of a stage that names
     its own (a stage `config.STAGE_SECTIONS` does not list) recorded there, where fingerprints read them."""
     for s in stages:
-        STAGE_SECTIONS.setdefault(s.name, s.sections)
+        if STAGE_SECTIONS.setdefault(s.name, s.sections) != s.sections:
+            raise ConfigError(f"stage {s.name!r}: its StageSpec sections {s.sections} differ from "
+                              f"config.STAGE_SECTIONS {STAGE_SECTIONS[s.name]}; keep one")
     return [dataclasses.replace(s, upstream=(stages[i - 1].name,) if i else ()) if s.upstream is None else s
             for i, s in enumerate(stages)]
 

@@ -108,7 +108,8 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
     if spec.draft_vocab:
         vocab = draft_vocab(store, features, spec.draft_vocab, cfg.drafter.draft_vocab_size, model.config.vocab_size)
     rows = model.get_input_embeddings().num_embeddings
-    inputs = DraftInputs(mask_token_id=mask_token_id(tokenizer, rows),
+    mask = mask_token_id(tokenizer, rows) if spec.mask_token and cfg.drafter.mask_token_id is None else None
+    inputs = DraftInputs(mask_token_id=mask,
                          draft_vocab_size=None if vocab is None else vocab[0].numel())
     return spec.config_from_target(model.config, cfg.drafter, inputs), vocab
 

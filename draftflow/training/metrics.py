@@ -142,7 +142,7 @@ def plot_loss(path: Path, history: list[float | None]) -> None:
         ax.plot(steps, losses, alpha=0.35, label="loss")
         ax.plot(steps, moving_average(list(losses), SMOOTH), label=f"mean of {SMOOTH} steps")
         ax.legend()
-    ax.set(xlabel="optimizer step", ylabel="weighted block loss", title="DFlash training loss")
+    ax.set(xlabel="optimizer step", ylabel="weighted block loss", title="training loss")
     fig.tight_layout()
     fig.savefig(path)
 

@@ -1,8 +1,8 @@
 """The DFlash drafter (arXiv 2602.06036): a small Qwen3-style block diffusion drafter.
 
 Read top to bottom: DFlash's attention and decoder layer, then `DFlashDrafter`. The
-Qwen3 building blocks (RoPE, RMSNorm, MLP) are in `blocks.py`, weight I/O in `weights.py`,
-the config in `dflash_config.py`, the mask rule and attention backends in `attention.py`.
+Qwen3 building blocks (RoPE, RMSNorm, MLP), weight I/O, the mask rule and attention backends are
+shared (`draftflow/models/`: blocks.py, weights.py, attention.py); the config is this folder's `config.py`.
 
 What DFlash changes relative to a Qwen3 decoder (each marked `# DFlash:`):
   * Input is a *block* [anchor token, mask x (B-1)] drafted in one forward pass,

@@ -104,6 +104,7 @@ SPEC = DrafterSpec(
     architecture="DFlashDrafter",
     model=DFlashDrafter,
     rule=RULE,
+    mask_token=True,
     draft_vocab=None,
     config_from_target=config_from_target,
     build=build,
@@ -116,7 +117,6 @@ SPEC = DrafterSpec(
     owns_export=lambda c: c.get("speculators_model_type") == "dflash" or "DFlashDraftModel" in c.get(
         "architectures", []),
     load_export=load_exported_dflash,
-    vllm_method="dflash",
     train_flops=train_flops,
     cost_note="DFlash: 6 x drafter params x (anchors x block + context) + 4 x LM head x block tokens",
     drafting=lambda d: f"block size {d.block_size}",

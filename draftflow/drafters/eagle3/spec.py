@@ -105,6 +105,7 @@ SPEC = DrafterSpec(
     architecture="Eagle3Drafter",
     model=Eagle3Drafter,
     rule=RULE,
+    mask_token=False,
     draft_vocab=draft_vocab,
     config_from_target=config_from_target,
     build=build,
@@ -117,7 +118,6 @@ SPEC = DrafterSpec(
     owns_export=lambda c: c.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in c.get(
         "architectures", []),
     load_export=load_exported_eagle3,
-    vllm_method="eagle3",
     train_flops=train_flops,
     cost_note="EAGLE-3: 6 x (layer + fc + draft head) params x ttt_steps x tokens + 2 x LM head x tokens "
     "(soft targets)",
