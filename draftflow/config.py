@@ -18,7 +18,7 @@ from draftflow.config_files import read_yaml
 
 # Re-exported: the curate section has its own module (this one is at its size limit). Not inside `draftflow.data`,
 # whose modules import this one: a package on both sides of an import is a two-way tie.
-from draftflow.curate_config import CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
+from draftflow.curate_config import CodeStubsConfig, CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
 from draftflow.errors import ConfigError
 from draftflow.evaluate_config import EvaluateConfig
 from draftflow.fields import BoolOrFraction, Device, Section

@@ -27,9 +27,22 @@ class SelfInstructConfig(Section):
     max_chars: int = Field(2000, ge=1, description="prompts longer than this are cut to it")
 
 
+class CodeStubsConfig(Section):
+    """A source of "complete this function" prompts (`draftflow.data.code_stubs`): the signature and docstring of
+    each public top-level function in installed Python code, asked as HumanEval asks; the target writes the body."""
+
+    count: int = Field(ge=1, description="prompts to write (fewer when the packages hold fewer functions)")
+    packages: list[str] = Field(default_factory=lambda: ["stdlib"], min_length=1,
+                                description="'stdlib' (Python's standard library) or installed packages' import names")
+    seed: int = Field(0, description="which stubs: the first `count` by sha256(seed, stub)")
+    min_doc_chars: int = Field(80, ge=1, description="functions with a shorter docstring are left out")
+    max_chars: int = Field(1500, ge=1, description="stubs longer than this are left out, never cut")
+
+
 class SourceConfig(Section):
     """One input dataset: files by path (local, s3://, globs, or inside an installed Python `package`), a
-    Hugging Face dataset by name, or prompts the target writes (`self_instruct`).
+    Hugging Face dataset by name, prompts the target writes (`self_instruct`) or function stubs from installed
+    Python code (`code_stubs`).
 
     `columns` maps the column an adapter reads to this source's column
     (`{question: input_text}` lets the openorca adapter read `input_text`).
@@ -47,6 +60,7 @@ class SourceConfig(Section):
     pip: str | None = Field(None, min_length=1, description="what `pip install` takes to install `package`; "
                             "null = the package name with _ -> -")
     self_instruct: SelfInstructConfig | None = Field(None, description="the target writes this source's prompts")
+    code_stubs: CodeStubsConfig | None = Field(None, description="function stubs from installed Python code")
     format: Literal["auto", "sharegpt", "openai", "alpaca", "openorca", "magicoder", "prompt",
                     "function_calling", "humaneval"] = "auto"
     columns: dict[str, str] = Field(default_factory=dict, description="adapter column -> source column")
@@ -57,19 +71,19 @@ class SourceConfig(Section):
     split: Literal["train", "eval"] | None = Field(None, description="every row to this split; null = eval_fraction")
     max_row_bytes: int = Field(16 << 20, ge=1024, description="a JSONL line longer than this is rejected "
                                "(row_too_large) without being held in memory whole")
-    # self_instruct: the generated prompts file, set at stage start (`stages.curate.materialize_sources`);
+    # self_instruct, code_stubs: the generated prompts file, set at stage start (`stages.curate.materialize_sources`);
     # in no fingerprint by itself (the file's key is, through curate's source keys).
     _generated: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _one_location(self) -> SourceConfig:
-        if sum(x is not None for x in (self.path, self.hf, self.self_instruct)) != 1:
-            raise ValueError(f"source '{self.name}' needs exactly one of path, hf or self_instruct")
+        if sum(x is not None for x in (self.path, self.hf, self.self_instruct, self.code_stubs)) != 1:
+            raise ValueError(f"source '{self.name}' needs exactly one of path, hf, self_instruct or code_stubs")
         if self.count is not None and self.weight is not None:
             raise ValueError(f"source '{self.name}' sets both count and weight; keep one")
         self._check_package()
-        if self.self_instruct is not None and (self.format not in ("auto", "prompt") or self.columns):
-            raise ValueError(f"source '{self.name}': self_instruct writes prompt rows; remove format and columns")
+        if self.generator is not None and (self.format not in ("auto", "prompt") or self.columns):
+            raise ValueError(f"source '{self.name}': {self.generator} writes prompt rows; remove format and columns")
         return self
 
     def _check_package(self) -> None:
@@ -82,13 +96,18 @@ class SourceConfig(Section):
                              "(e.g. data/HumanEval.jsonl.gz)")
 
     @property
+    def generator(self) -> str | None:
+        """'self_instruct' or 'code_stubs' for a source whose prompts file draftflow writes, else None."""
+        return "self_instruct" if self.self_instruct is not None else "code_stubs" if self.code_stubs else None
+
+    @property
     def generated(self) -> str | None:
-        """self_instruct: the generated prompts file once materialized, else None."""
+        """self_instruct, code_stubs: the generated prompts file once materialized, else None."""
         return self._generated
 
     def use_generated(self, path: str) -> None:
-        """Point a self_instruct source at its generated prompts file."""
-        assert self.self_instruct is not None, self.name
+        """Point a self_instruct or code_stubs source at its generated prompts file."""
+        assert self.generator is not None, self.name
         self._generated = path
 
 

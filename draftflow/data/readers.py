@@ -1,8 +1,8 @@
 """Streaming source readers: files (local or s3://, by fsspec) and Hugging Face datasets.
 
 A source is a path (a file or a glob; relative to an installed Python package's folder when the
-source names a `package`), a Hugging Face dataset name, or a self_instruct source's generated
-file (`SourceConfig.generated`, set at stage start). Files are
+source names a `package`), a Hugging Face dataset name, or a self_instruct or code_stubs source's
+generated file (`SourceConfig.generated`, set at stage start). Files are
 JSONL (`.jsonl`/`.json`, plain or compressed: `.gz`, `.zst`, `.bz2`, `.xz`,
 inferred from the extension) or parquet (read in row batches). Hugging Face
 datasets are read with `datasets`' streaming loader, imported lazily (the
@@ -76,9 +76,9 @@ def source_path(src: SourceConfig) -> str:
     Raises:
         ConfigError: the package is not installed, or a self_instruct source is not generated yet.
     """
-    if src.self_instruct is not None:
+    if src.generator is not None:
         if src.generated is None:
-            raise ConfigError(f"source '{src.name}': its self_instruct prompts are not generated yet "
+            raise ConfigError(f"source '{src.name}': its {src.generator} prompts are not generated yet "
                               "(draftflow.stages.curate.materialize_sources runs first)")
         return src.generated
     if src.package is not None:
@@ -114,7 +114,7 @@ def check_source(src: SourceConfig) -> None:
     """Fail at stage start, before any work, when a source cannot be reached or a file of it
     is not in its format (sniffed from its first bytes; many files are sniffed in parallel). A self_instruct
     source is checked once its prompts are generated (nothing to reach before)."""
-    if src.self_instruct is not None and src.generated is None:
+    if src.generator is not None and src.generated is None:
         return
     if src.hf is None:
         files = source_files(src)
