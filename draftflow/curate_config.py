@@ -98,7 +98,11 @@ class SourceConfig(Section):
     @property
     def generator(self) -> str | None:
         """'self_instruct' or 'code_stubs' for a source whose prompts file draftflow writes, else None."""
-        return "self_instruct" if self.self_instruct is not None else "code_stubs" if self.code_stubs else None
+        if self.self_instruct is not None:
+            return "self_instruct"
+        if self.code_stubs is not None:
+            return "code_stubs"
+        return None
 
     @property
     def generated(self) -> str | None:

@@ -75,7 +75,7 @@ def test_curate_reads_a_self_instruct_source_as_single_user_turns(tiny_target, t
                                                         eval_fraction=0.0)})
     inputs, _ = curate.stage_inputs(cfg)  # generates the file: its key is in curate's fingerprint inputs
     path = cfg.curate.sources[0].generated
-    assert path and path.endswith(".jsonl") and path in curate.source_keys(cfg.curate)["si"]
+    assert path and path.endswith(".jsonl") and Path(path).name in curate.source_keys(cfg.curate)["si"]
     m = curate.run(Store(cfg.root), "fp", cfg, inputs)
     rows = [r for s in m.shards for r in read_rows(f"{cfg.root}/curate/fp/{s.name}")]
     assert m.rows_out == len(rows) == 8 and m.extra["sources"]["si"]["kept"] == 8

@@ -8,8 +8,10 @@ package): each public top-level function with a docstring becomes one prompt, cu
 SmolLM2 it lost HumanEval to prompt lookup, whose best case it is (docs/measurements.md, 2026-12-03).
 
 The chosen stubs (ordered by sha256(seed, stub), the first `count`) are written as a prompt-format
-JSONL file (`{"prompt": ...}` per line) in the cache, named by the sha256 of its content, so curate's
-source key changes exactly when the prompts do (another Python version, another package version).
+JSONL file (`{"prompt": ...}` per line) in the cache, named by the sha256 of its content, which is
+curate's key for the source: it changes exactly when the prompts do (another Python version or build,
+another package version), not when the cache is wiped or the run moves to another machine. The files
+are parsed again at each `plan`, `status` and `run` (~2.5 s for the standard library).
 Eval prompts such as HumanEval's stay out of training through curate's decontamination, like any
 source's. This module knows nothing of curate nor of Prefect.
 """
@@ -18,17 +20,19 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 import json
 import logging
 import os
 import sysconfig
+import tokenize
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 from draftflow.curate_config import CodeStubsConfig
+from draftflow.data.readers import import_folder
 from draftflow.data.sources import HUMANEVAL_ASK
-from draftflow.errors import ConfigError, DraftflowError
+from draftflow.errors import ConfigError
 from draftflow.store import default_cache_dir, write_local_atomic
 
 log = logging.getLogger(__name__)
@@ -38,7 +42,7 @@ SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "turtledemo", "sit
                        "__pycache__", "ensurepip", "_vendor", "vendor"})
 
 
-def package_root(name: str) -> Path:
+def package_root(name: str, source: str) -> Path:
     """The folder of the standard library (`stdlib`) or of an installed package (import name).
 
     Raises:
@@ -46,59 +50,76 @@ def package_root(name: str) -> Path:
     """
     if name == STDLIB:
         return Path(sysconfig.get_paths()["stdlib"])
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        spec = None
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not folders:
-        raise ConfigError(f"code_stubs.packages names {name}, which is not an installed package with a folder: "
-                          f"pip install it, or use '{STDLIB}'")
-    return Path(folders[0])
+    folder = import_folder(name)
+    if folder is None:
+        raise ConfigError(f"source '{source}': code_stubs.packages names {name}, which is not an installed package "
+                          f"with a folder (a single module has none): install it, or name another")
+    return Path(folder)
+
+
+def _public(name: str) -> bool:
+    return not name.startswith(("_", ".")) or name == "__init__.py"
 
 
 def python_files(root: Path) -> list[Path]:
-    """The .py files under `root`, sorted, outside SKIP_DIRS and hidden folders."""
+    """The public .py files under `root`, sorted: no SKIP_DIRS, no private (`_x`) or hidden folders or modules."""
     found = []
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and not d.startswith("."))
-        found += [Path(folder) / f for f in files if f.endswith(".py")]
+        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS and _public(d))
+        found += [Path(folder) / f for f in files if f.endswith(".py") and _public(f)]
     return sorted(found)
+
+
+def _parse(source: str) -> ast.Module | None:
+    with warnings.catch_warnings():  # invalid escapes in other people's code are not our warnings
+        warnings.simplefilter("ignore")
+        try:
+            return ast.parse(source)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # Python 2 leftovers, null bytes, depth
+            return None
 
 
 def stubs_in(source: str, cfg: CodeStubsConfig) -> Iterator[str]:
     """Each public top-level function of a module's source, as its `def` line(s) through its docstring.
 
-    A function qualifies when its name has no leading underscore and its docstring has at least
-    `min_doc_chars` characters; a stub longer than `max_chars` is skipped, not cut (a cut docstring would
-    teach a broken prompt). Decorators are left out. Unparsable source yields nothing.
+    A function qualifies when its name has no leading underscore, its docstring (the first statement, on a
+    line of its own) has at least `min_doc_chars` characters and holds no code fence; a stub longer than
+    `max_chars` is skipped, not cut (a cut docstring would teach a broken prompt). Decorators are left out.
+    Unparsable source yields nothing.
     """
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):  # Python 2 leftovers, null bytes
+    tree = _parse(source)
+    if tree is None:
         return
-    lines = source.splitlines()
+    lines = source.split("\n")  # ast counts lines at "\n" only (str.splitlines also splits at \x0c, \x85, ...)
     for node in tree.body:
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
             continue
-        doc = ast.get_docstring(node)
-        if doc is None or len(doc) < cfg.min_doc_chars:
-            continue
-        stub = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]).rstrip() + "\n"
-        if len(stub) <= cfg.max_chars:
+        doc, first = ast.get_docstring(node), node.body[0]
+        if doc is None or len(doc) < cfg.min_doc_chars or "```" in doc or first.lineno == node.lineno:
+            continue  # a one-line def (`def f(): """doc"""; return 1`) has no body left to write
+        if len(node.body) > 1 and node.body[1].lineno == first.end_lineno:
+            continue  # `"""doc"""; return 1`: the body shares the docstring's line
+        stub = "\n".join(lines[node.lineno - 1:first.end_lineno]).rstrip() + "\n"
+        if len(stub) <= cfg.max_chars and stub.startswith(("def ", "async def ")):
             yield stub
 
 
-def collect(cfg: CodeStubsConfig) -> list[str]:
-    """Every distinct stub of the configured packages, in file order."""
+def read_source(path: Path) -> str | None:
+    """A module's text as Python reads it (its coding line or BOM honoured, newlines as "\n"); None if unreadable."""
+    try:
+        with tokenize.open(path) as f:
+            return f.read()
+    except (SyntaxError, UnicodeDecodeError, OSError):  # an unknown coding line, bad bytes, a broken link
+        return None
+
+
+def collect(cfg: CodeStubsConfig, source: str = "code_stubs") -> list[str]:
+    """Every distinct stub of the configured packages, in file order (`source` names the source in errors)."""
     seen: dict[str, None] = {}
     for name in cfg.packages:
-        for path in python_files(package_root(name)):
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            seen.update(dict.fromkeys(stubs_in(source, cfg)))
+        for path in python_files(package_root(name, source)):
+            if (text := read_source(path)) is not None:
+                seen.update(dict.fromkeys(stubs_in(text, cfg)))
     return list(seen)
 
 
@@ -110,24 +131,27 @@ def choose(stubs: list[str], count: int, seed: int) -> list[str]:
     return sorted(stubs, key=key)[:count]
 
 
-def prompts_file(cfg: CodeStubsConfig, cache_dir: Path | None = None) -> str:
+def prompts_file(cfg: CodeStubsConfig, source: str = "code_stubs", cache_dir: Path | None = None) -> str:
     """The local path of the prompts file for this config, written unless the cache holds its content.
 
+    Args:
+        source: the source's name, for errors.
+
     Raises:
-        ConfigError: a package is not installed.
-        DraftflowError: the packages hold no qualifying function.
+        ConfigError: a package is not installed, or the packages hold no qualifying function.
     """
-    stubs = choose(collect(cfg), cfg.count, cfg.seed)
+    stubs = choose(collect(cfg, source), cfg.count, cfg.seed)
     if not stubs:
-        raise DraftflowError(f"code_stubs: no public function with a docstring of {cfg.min_doc_chars}+ characters "
-                             f"in {', '.join(cfg.packages)}; lower code_stubs.min_doc_chars or name other packages")
+        raise ConfigError(f"source '{source}': no public function with a docstring of {cfg.min_doc_chars}+ "
+                          f"characters in {', '.join(cfg.packages)}; lower code_stubs.min_doc_chars or name "
+                          "other packages")
     if len(stubs) < cfg.count:
-        log.warning("code_stubs: %d of %d prompts (the packages hold no more)", len(stubs), cfg.count)
+        log.warning("%s: %d of %d code stubs (the packages hold no more)", source, len(stubs), cfg.count)
     body = "".join(json.dumps({"prompt": HUMANEVAL_ASK.format(code=s)}, ensure_ascii=False) + "\n" for s in stubs)
     name = hashlib.sha256(body.encode()).hexdigest()[:32]
     path = Path(cache_dir or default_cache_dir()) / "code_stubs" / f"{name}.jsonl"
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
         write_local_atomic(path, lambda tmp: Path(tmp).write_text(body, encoding="utf-8"))
-        log.info("code_stubs: %d prompts from %s in %s", len(stubs), ", ".join(cfg.packages), path)
+        log.info("%s: %d code stubs from %s in %s", source, len(stubs), ", ".join(cfg.packages), path)
     return str(path)

@@ -49,32 +49,39 @@ def _open_hf(src: SourceConfig):
     return _hf().load_dataset(src.hf, src.hf_config, split=src.hf_split, streaming=True)
 
 
+def import_folder(package: str) -> str | None:
+    """The folder of an installed package (import name), found without importing it; None when it is not
+    installed or is a single module."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    return folders[0] if folders else None
+
+
 def package_folder(src: SourceConfig) -> str:
     """The folder of the installed package a source reads from (`SourceConfig.package`).
 
     Raises:
         ConfigError: the package is not installed (the message gives the pip command).
     """
-    import importlib.util
-
-    try:
-        spec = importlib.util.find_spec(src.package)
-    except (ImportError, ValueError):  # a dotted name whose parent is missing
-        spec = None
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not folders:
+    folder = import_folder(src.package)
+    if folder is None:
         hint = src.pip or src.package.replace("_", "-")
         raise ConfigError(f"source '{src.name}' reads from the Python package {src.package}, which is not "
                           f"installed: pip install {hint}")
-    return folders[0]
+    return folder
 
 
 def source_path(src: SourceConfig) -> str:
     """The file or glob a file source reads: `path`, resolved inside its `package`, or the generated
-    file of a self_instruct source.
+    file of a self_instruct or code_stubs source.
 
     Raises:
-        ConfigError: the package is not installed, or a self_instruct source is not generated yet.
+        ConfigError: the package is not installed, or a generated source is not generated yet.
     """
     if src.generator is not None:
         if src.generated is None:
@@ -113,7 +120,7 @@ def source_files(src: SourceConfig) -> list[str]:
 def check_source(src: SourceConfig) -> None:
     """Fail at stage start, before any work, when a source cannot be reached or a file of it
     is not in its format (sniffed from its first bytes; many files are sniffed in parallel). A self_instruct
-    source is checked once its prompts are generated (nothing to reach before)."""
+    or code_stubs source is checked once its prompts are generated (nothing to reach before)."""
     if src.generator is not None and src.generated is None:
         return
     if src.hf is None:
@@ -152,9 +159,13 @@ REJECT_HEAD_BYTES = 4096  # what the rejects shard keeps of a row too large to r
 
 
 def source_key(src: SourceConfig) -> str:
-    """What identifies a source's content: its files' keys, or the hf name/config/split."""
+    """What identifies a source's content: its files' keys, the hf name/config/split, or a generated
+    source's file name (a key of all that decides its content, or its content's digest): a cache wiped or
+    moved, or another machine, writes the same prompts under the same key."""
     if src.hf is not None:
         return json.dumps(["hf", src.hf, src.hf_config, src.hf_split])
+    if src.generator is not None:
+        return json.dumps([src.generator, os.path.basename(source_path(src))])
     files = source_files(src)
     return json.dumps(list(zip(files, file_keys(files))))
 

@@ -101,7 +101,7 @@ def materialize_sources(cfg: RunConfig) -> None:
     vllm, else hf) unless the cache holds it, and each code_stubs source at its stubs file. Runs before
     curate's source keys are read (idempotent)."""
     for src in [s for s in cfg.curate.sources if s.code_stubs is not None and s.generated is None]:
-        src.use_generated(code_stubs.prompts_file(src.code_stubs))
+        src.use_generated(code_stubs.prompts_file(src.code_stubs, src.name))
     todo = [s for s in cfg.curate.sources if s.self_instruct is not None and s.generated is None]
     if not todo:
         return

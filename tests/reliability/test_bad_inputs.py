@@ -259,7 +259,7 @@ SOURCES = {
     "json_array": (_file("array.json", b'[{"conversations": []}]'), None),
     "csv_named_jsonl": (_file("table.jsonl", b"question,answer\nwhy,because\n"), None),
     "count_and_weight": (["curate.sources=[{name: s, path: /x.jsonl, count: 3, weight: 1.0}]"], ["count"]),
-    "neither_path_nor_hf": (["curate.sources=[{name: s}]"], ["path, hf or self_instruct"]),
+    "neither_path_nor_hf": (["curate.sources=[{name: s}]"], ["path, hf, self_instruct or code_stubs"]),
     "duplicate_names": ([f"curate.sources=[{{name: s, path: {SAMPLE}/sharegpt.jsonl}}, "
                          f"{{name: s, path: {SAMPLE}/openai.jsonl}}]"], ["unique"]),
     "unknown_protocol": (["curate.sources=[{name: s, path: 'nosuch://bucket/x.jsonl'}]"], ["nosuch://bucket/x.jsonl"]),
