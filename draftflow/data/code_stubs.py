@@ -37,9 +37,10 @@ from draftflow.store import default_cache_dir, write_local_atomic
 
 log = logging.getLogger(__name__)
 STDLIB = "stdlib"
-# Folders whose code is tests, demos or vendored copies, not the API a user asks about.
+# Folders whose code is tests, demos or vendored copies, not the API a user asks about (private ones such as
+# _vendor and __pycache__ are left out by `_public`).
 SKIP_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "turtledemo", "site-packages", "dist-packages",
-                       "__pycache__", "ensurepip", "_vendor", "vendor"})
+                       "ensurepip", "vendor"})
 
 
 def package_root(name: str, source: str) -> Path:
