@@ -248,6 +248,10 @@ def test_projected_speedup_reduces_to_leviathan_et_al():
 
 def test_report_sections_plots_and_console_lines(measured, tmp_path):
     stats, _ = dict(measured[0]), None
+    # the measured wall times vary with load (a busy machine may withhold the projection): pin them so the
+    # console line is the one a sane measurement prints; the withheld line is tested on its own above
+    taus = {"drafter": stats["tau"]} | {name: b["tau"] for name, b in stats["baselines"].items()}
+    stats["speedup"] = speedup.speedups(stats["speedup"] | {"target_step_s": 1e-2, "verify_step_s": 1.2e-2}, taus)
     stats["plots"] = draw_plots(stats, tmp_path)
     assert all((tmp_path / p).read_bytes().startswith(b"\x89PNG") for p in stats["plots"])
     text = markdown(stats, "DFlash")
