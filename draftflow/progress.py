@@ -171,3 +171,28 @@ def _emit(stage: str, force: bool = False) -> None:
         except Exception as exc:  # a listener's failure (e.g. an API hiccup) must not fail the stage
             log.warning("progress listener %s failed (%s: %s); it is switched off", name, type(exc).__name__, exc)
             remove_sink(name)
+
+
+class Phases:
+    """Wall time per phase of a stage whose work is a few unlike steps (evaluate: decode, baselines, DDTree,
+    vLLM), not rows: each `done(name)` reports `k/n phases` as progress, logs the phase's time, and keeps it
+    in `seconds` (name -> s, rounded to 0.1) for the stage's report. A measurement of this machine under its
+    load, like a log line: never fingerprinted, never compared between runs."""
+
+    def __init__(self, stage: str, names: list[str]) -> None:
+        self.stage, self.names, self.seconds = stage, list(names), {}
+        self._mark = time.monotonic()
+        report(stage, 0, len(self.names), "phases")
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.seconds[name] = round(now - self._mark, 1)
+        self._mark = now
+        report(self.stage, len(self.seconds), max(len(self.names), len(self.seconds)), "phases")
+        log.info("%s: %s took %s", self.stage, name, duration(self.seconds[name]))
+
+
+
+def phase_line(seconds: dict[str, float]) -> str:
+    """`decode 3.1 min, baselines 52 s, ...`: `Phases.seconds` in the order the phases ended."""
+    return ", ".join(f"{name} {duration(s)}" for name, s in seconds.items())

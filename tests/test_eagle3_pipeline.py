@@ -41,6 +41,11 @@ def test_eagle3_pipeline_trains_evaluates_and_exports(prefect_harness, tmp_path)
         assert (train_dir / "export" / fmt / "model.safetensors").is_file()
     report = json.loads((Path(summary["stages"][5]["path"]) / "report.json").read_text())
     assert report["tau"] == summary["tau"] and len(report["acceptance_rate"]) == 4  # ttt_steps drafts
+    # where evaluate's time went, phase by phase in the order they ran (engine hf: no vLLM phase)
+    assert list(report["phase_seconds"]) == ["decode", "baselines", "alignment", "ddtree"]
+    assert all(s >= 0 for s in report["phase_seconds"].values()) and report["phase_seconds"]["decode"] > 0
+    md = (Path(summary["stages"][5]["path"]) / "report.md").read_text()
+    assert "Where this stage's time went (this machine, under its load): decode " in md
 
 
 def test_eagle3_pipeline_with_online_features(prefect_harness, tmp_path):

@@ -63,3 +63,20 @@ def test_line_reads_like_a_progress_bar():
     assert p.line() == "regenerate 120/444 rows (27%), 30 rows/s, ETA 11 s"
     done = progress.Progress("train", 24, 24, "steps", elapsed=125.0, rate=0.19, session=2)
     assert done.line() == "train 24/24 steps (100%), 0.19 steps/s, 2.1 min"
+
+
+def test_phases_report_each_end_keep_their_times_in_order_and_read_as_one_line(heard, monkeypatch, caplog):
+    now = [100.0]  # the clock moves only where the test moves it
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    phases = progress.Phases("stage-p", ["decode", "ddtree", "vllm"])
+    with caplog.at_level("INFO", logger="draftflow.progress"):
+        now[0] = 103.5
+        phases.done("decode")
+        phases.done("ddtree")
+        now[0] = 250.0
+        phases.done("vllm")
+    assert phases.seconds == {"decode": 3.5, "ddtree": 0.0, "vllm": 146.5}
+    assert list(phases.seconds) == ["decode", "ddtree", "vllm"]
+    assert progress.phase_line(phases.seconds) == "decode 4 s, ddtree 0 s, vllm 2.4 min"
+    assert heard[-1].stage == "stage-p" and heard[-1].unit == "phases" and (heard[-1].done, heard[-1].total) == (3, 3)
+    assert "stage-p: vllm took 2.4 min" in caplog.text

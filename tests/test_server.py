@@ -136,6 +136,7 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
     # regenerate runs depends on the machine's load, so only the count is asserted here.
     assert any(line.startswith("progress: regenerate 43/43 rows (100%)") for line in progress_lines), progress_lines
     assert any(line.startswith("progress: train 24/24 steps") for line in progress_lines), progress_lines
+    assert any(line.startswith("progress: evaluate 4/4 phases (100%)") for line in progress_lines), progress_lines
 
     with _client(url) as client:
         def settled():

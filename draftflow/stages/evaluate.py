@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from draftflow import progress
 from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows, template_kwargs
@@ -151,6 +152,9 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
         lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
     if "ddtree" in stats:
         lines += render_ddtree(stats["ddtree"])
+    if stats.get("phase_seconds"):
+        took = progress.phase_line(stats["phase_seconds"])
+        lines += ["", f"Where this stage's time went (this machine, under its load): {took}"]
     return "\n".join(lines) + "\n"
 
 
@@ -164,6 +168,13 @@ def write_plots(store: Store, fp: str, stats: dict[str, Any]) -> list[ShardEntry
                 Path(tmp).write_bytes((Path(folder) / name).read_bytes())
                 entries.append(shard_entry(name, tmp, rows=0))
     return entries
+
+
+def phase_names(ecfg: EvaluateConfig) -> list[str]:
+    """The phases `run` times, in order: only those its settings turn on."""
+    wanted = {"compare_with": bool(ecfg.compare_with), "alignment": bool(ecfg.alignment),
+              "vllm": ecfg.engine == "vllm"}
+    return [p for p in ("decode", "baselines", "compare_with", "alignment", "ddtree", "vllm") if wanted.get(p, True)]
 
 
 def _drafting(cfg: RunConfig) -> str:
@@ -184,27 +195,35 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     n_taps = len(drafter.config.target_layer_ids)
     rounding = functools.partial(round_trip, dtype=cfg.extract.dtype, n_taps=n_taps)
     eos = eos_token_ids(model, tokenizer)
+    phases = progress.Phases(STAGE, phase_names(cfg.evaluate))
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
+    phases.done("decode")
     stats["target"] = described_target(cfg.target.path, target.path)  # a GGUF target: which weights (else None)
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
+    phases.done("baselines")
     stats["prompt_set"] = prompt_set(ids[: stats["prompts"]])  # which prompts: runs compare only on equal sets
     outputs = stats.pop("outputs")
     if cfg.evaluate.compare_with:  # other trained drafters, same prompts, same loop, lossless-checked
         others = [load_other(o, model, cfg.extract.dtype) for o in resolve_all(cfg.root, cfg.evaluate.compare_with)]
         stats["baselines"] |= decode_others(model, others, prompts[: len(outputs)], outputs,
                                             categories[: len(outputs)], cfg.evaluate, eos)
+        phases.done("compare_with")
     if cfg.evaluate.alignment:  # DFlash only (None otherwise): do slot k's drafts match token a+k?
         stats["alignment"] = alignment_report(model, drafter, prompts[: len(outputs)], outputs, rounding)
         if (stats["alignment"] or {}).get("warning"):
             log.warning("evaluate: %s", stats["alignment"]["warning"])
+        phases.done("alignment")
     # DFlash only (None otherwise): τ per DDTree budget, checked against the greedy outputs just verified.
     stats["ddtree"] = evaluate_ddtree(model, drafter, prompts[: len(outputs)], cfg.evaluate.ddtree_budgets,
                                       cfg.evaluate, eos, rounding, reference=outputs)
+    phases.done("ddtree")
     if cfg.evaluate.engine == "vllm":
         job = ServeJob(target.path, prompts[: len(outputs)], cfg.evaluate.max_new_tokens, sorted(eos),
                        cfg.regenerate.vllm, cfg.target.dtype, categories=tuple(categories[: len(outputs)]))
         stats["vllm"], stats["served"] = serve_exports(store, cfg, target, trained, job, outputs, stats["tau"])
+        phases.done("vllm")
+    stats["phase_seconds"] = phases.seconds  # where this stage's time went (measured, like `speedup`)
     entries = write_plots(store, fp, stats)
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
