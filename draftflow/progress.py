@@ -192,7 +192,6 @@ class Phases:
         log.info("%s: %s took %s", self.stage, name, duration(self.seconds[name]))
 
 
-
 def phase_line(seconds: dict[str, float]) -> str:
     """`decode 3.1 min, baselines 52 s, ...`: `Phases.seconds` in the order the phases ended."""
     return ", ".join(f"{name} {duration(s)}" for name, s in seconds.items())

@@ -237,7 +237,8 @@ def without_measurements(rel: Path, data: bytes) -> bytes:
         return json.dumps(m, sort_keys=True).encode()
     if rel.name == "report.json":
         report = json.loads(data)
-        report.pop("speedup", None), report.pop("phase_seconds", None)
+        for measured in ("speedup", "phase_seconds"):
+            report.pop(measured, None)
         return json.dumps(report, sort_keys=True).encode()
     return b"" if rel.name == "report.md" else data
 
