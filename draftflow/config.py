@@ -82,6 +82,11 @@ class VLLMEngineConfig(Section):
         "compiled with CUDA graphs on GPUs")
     cpu_kv_cache_gib: int = Field(
         1, ge=1, description="CPU builds only: KV cache size (VLLM_CPU_KVCACHE_SPACE, unless already set)")
+    cpu_threads_bind: str | None = Field(
+        None, pattern=r"^(all|[0-9][0-9,-]*)$", description="CPU builds only: the cores vLLM's worker runs on "
+        "(VLLM_CPU_OMP_THREADS_BIND): 'all' = every core this process may use, or a list like '0-3,6'; null = "
+        "vLLM's own choice, which keeps a core for its front end and, where it takes two logical CPUs for one "
+        "core's threads, one of those: on a 2-vCPU machine vLLM then decodes on one core")
     capture_timeout_s: float = Field(
         600.0, gt=0.0, description="extract.engine=vllm: how long to wait for vLLM to write a request's hidden states")
     hidden_states_connector: str | None = Field(

@@ -191,6 +191,29 @@ def test_auto_dtype_is_the_stored_one_not_vllms_half_precision(tmp_path):
     assert stored_dtype(_model_dir(tmp_path, dtype="float32"), "bfloat16") == "bfloat16"  # explicit wins
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the core binding applies to vLLM's CPU build")
+def test_cpu_threads_bind_sets_vllms_binding_and_a_config_without_one_drops_it(monkeypatch, tmp_path):
+    import os
+
+    from draftflow.engines.vllm import prepare_environment
+
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path))
+    for name in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CACHE_ROOT", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(name, raising=False)  # restored after the test
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    prepare_environment(VLLMEngineConfig(cpu_threads_bind="all"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == cores
+    prepare_environment(VLLMEngineConfig(cpu_threads_bind="0-1"))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    prepare_environment(VLLMEngineConfig())  # null: vLLM's own choice again
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # set outside draftflow: left alone
+    prepare_environment(VLLMEngineConfig())
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    with pytest.raises(ValueError, match="cpu_threads_bind"):
+        VLLMEngineConfig(cpu_threads_bind="every core")
+
+
 def test_one_shared_engine_per_process_closes_the_previous_one():
     from draftflow.engines.vllm import forget_engine, release_engines, shared_engine
 

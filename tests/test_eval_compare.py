@@ -20,7 +20,7 @@ from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
 from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, speculative_generate
 from draftflow.evaluation.selection import check_categories, prompt_set, row_category, select
-from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats
+from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats, with_counts
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.stages import curate
 from draftflow.store import Store
@@ -205,6 +205,18 @@ def test_baselines_in_the_cached_loop_equal_the_reference_loop(measured, target)
         target, bases, prompts, stats["outputs"], 12, set(), ["rep", "rand", "rand"], speculative_generate
     )
     assert ref == stats["baselines"]
+
+
+def test_no_draft_taken_from_the_reference_is_what_its_decoding_would_give(measured, target):
+    stats, prompts = measured  # run_baselines no longer decodes no_draft: its figures follow from greedy
+    no_draft = NoDraft(name="no_draft", max_drafts=B - 1)
+    for eos in (set(), {stats["outputs"][0][4]}):  # run to max_new_tokens, and stopped by an end token
+        decoded = [speculative_generate(target, no_draft, p, 12, eos) for p in prompts]
+        outputs, lengths = [t for t, _ in decoded], [a for _, a in decoded]
+        cats = ["rep", "rand", "rand"]
+        derived = run_baselines(target, [no_draft], prompts, outputs, 12, eos, cats)["no_draft"]
+        assert derived == with_counts(lengths, outputs, B) | {"categories": split_stats(lengths, outputs, cats, B)}
+    assert len(outputs[0]) == 5  # the end token did stop the first prompt
 
 
 def test_speedup_fields_exist_are_positive_and_follow_the_formula(measured):

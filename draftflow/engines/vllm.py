@@ -70,14 +70,32 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def cpu_threads_bind(setting: str | None) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `VLLMEngineConfig.cpu_threads_bind`: 'all' as this process's cores
+    ("0,1", ...), a list as given, None as None (vLLM chooses)."""
+    if setting != "all":
+        return setting
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
+_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+_bound: dict[str, str] = {}  # the binding this process last set (so a later config without one drops it)
+
+
 def prepare_environment(vcfg: VLLMEngineConfig) -> None:
     """Environment vLLM reads when its engine starts: its compile cache under draftflow's cache (not the
-    user's home) and, on CPU builds, a KV cache of `cpu_kv_cache_gib` (vLLM would size it from RAM)."""
+    user's home) and, on CPU builds, a KV cache of `cpu_kv_cache_gib` (vLLM would size it from RAM) and
+    the cores of `cpu_threads_bind` (a binding set outside draftflow is left alone when that is null)."""
     from draftflow.store import default_cache_dir
 
     os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir() / "vllm"))
     if on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kv_cache_gib))
+        bind = cpu_threads_bind(vcfg.cpu_threads_bind)
+        if bind is not None:
+            os.environ[_BIND] = _bound[_BIND] = bind
+        elif _bound.get(_BIND) is not None and os.environ.get(_BIND) == _bound.pop(_BIND):
+            del os.environ[_BIND]
 
 
 def stored_dtype(model_dir: str, dtype: str) -> str:

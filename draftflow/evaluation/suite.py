@@ -8,9 +8,9 @@ categories so each keeps a share), `split_stats` cuts one run's per-step accepta
 `draftflow.evaluation.baselines` through the drafter's loop (KV-cached unless `evaluate.kv_cache`
 is false), checked against the drafter's (lossless) outputs.
 
-What it does not know: stores, manifests, report text. Trade-off: each baseline costs about one
-greedy decode per prompt (no_draft exactly one), which is what the drafter's own lossless check
-already pays; the speedup timings add a few dozen forwards.
+What it does not know: stores, manifests, report text. Trade-off: each drafting baseline costs about one
+greedy decode per prompt, which is what the drafter's own lossless check already pays; no_draft
+costs nothing (it is that greedy decode); the speedup timings add a few dozen forwards.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from draftflow.config import EvaluateConfig
 from draftflow.evaluation import speedup
-from draftflow.evaluation.baselines import Baseline, make_baselines
+from draftflow.evaluation.baselines import Baseline, NoDraft, make_baselines
 from draftflow.evaluation.cached import speculative_generate_cached
 from draftflow.evaluation.decode import (
     RoundFn,
@@ -72,6 +72,9 @@ def run_baselines(
 ) -> dict[str, dict[str, Any]]:
     """Decode `prompts` with each baseline; per baseline the overall stats and its `categories` split.
 
+    `no_draft` is not decoded again: its output is `reference` and every step after the prefill's token
+    yields one token (what the loop gives it, tests/test_baselines.py checks).
+
     Args:
         reference: the target's greedy output per prompt (the drafter's checked outputs): every
             baseline must reproduce it exactly.
@@ -84,12 +87,15 @@ def run_baselines(
     """
     report: dict[str, dict[str, Any]] = {}
     for base in baselines:
-        lengths, outputs = [], []
-        for i, prompt in enumerate(prompts):
-            tokens, acc = generate(target, base, prompt, max_new_tokens, eos_ids)
-            check_lossless(i, tokens, reference[i])
-            lengths.append(acc)
-            outputs.append(tokens)
+        if isinstance(base, NoDraft):  # greedy itself: one token a step after the prefill's, nothing to decode
+            lengths, outputs = [[1] * max(len(ref) - 1, 0) for ref in reference], list(reference)
+        else:
+            lengths, outputs = [], []
+            for i, prompt in enumerate(prompts):
+                tokens, acc = generate(target, base, prompt, max_new_tokens, eos_ids)
+                check_lossless(i, tokens, reference[i])
+                lengths.append(acc)
+                outputs.append(tokens)
         width = base.max_drafts + 1
         report[base.name] = with_counts(lengths, outputs, width) | {
             "categories": split_stats(lengths, outputs, categories, width)
