@@ -20,7 +20,7 @@ from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import NoDraft, PromptLookup, lookup, make_baselines
 from draftflow.evaluation.decode import evaluate_prompts, greedy_generate, speculative_generate
 from draftflow.evaluation.selection import check_categories, prompt_set, row_category, select
-from draftflow.evaluation.suite import add_comparisons, run_baselines, split_stats, with_counts
+from draftflow.evaluation.suite import add_comparisons, proposer_taus, run_baselines, split_stats, with_counts
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.stages import curate
 from draftflow.store import Store
@@ -262,8 +262,8 @@ def test_report_sections_plots_and_console_lines(measured, tmp_path):
     stats, _ = dict(measured[0]), None
     # the measured wall times vary with load (a busy machine may withhold the projection): pin them so the
     # console line is the one a sane measurement prints; the withheld line is tested on its own above
-    taus = {"drafter": stats["tau"]} | {name: b["tau"] for name, b in stats["baselines"].items()}
-    stats["speedup"] = speedup.speedups(stats["speedup"] | {"target_step_s": 1e-2, "verify_step_s": 1.2e-2}, taus)
+    costs = stats["speedup"] | {"target_step_s": 1e-2, "verify_step_s": 1.2e-2}
+    stats["speedup"] = speedup.speedups(costs, proposer_taus(stats))
     stats["plots"] = draw_plots(stats, tmp_path)
     assert all((tmp_path / p).read_bytes().startswith(b"\x89PNG") for p in stats["plots"])
     text = markdown(stats, "DFlash")

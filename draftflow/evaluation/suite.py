@@ -33,7 +33,7 @@ from draftflow.evaluation.decode import (
 )
 from draftflow.evaluation.selection import row_category, select
 
-__all__ = ["add_comparisons", "row_category", "run_baselines", "select", "split_stats", "with_counts"]
+__all__ = ["add_comparisons", "proposer_taus", "row_category", "run_baselines", "select", "split_stats", "with_counts"]
 
 
 def with_counts(lengths: list[list[int]], outputs: list[list[int]], width: int) -> dict[str, Any]:
@@ -103,6 +103,11 @@ def run_baselines(
     return report
 
 
+def proposer_taus(stats: dict[str, Any], drafter: str = "drafter") -> dict[str, float | None]:
+    """τ per proposer of an evaluation: the drafter's (under the name `drafter`), then each baseline's."""
+    return {drafter: stats["tau"]} | {name: b["tau"] for name, b in (stats.get("baselines") or {}).items()}
+
+
 def add_comparisons(
     target,
     drafter,
@@ -134,5 +139,4 @@ def add_comparisons(
     _, ctx = capture_taps(target, seq, drafter.config.target_layer_ids, round_features)
     calls = {"drafter": lambda: propose(drafter, seq, anchor, ctx)}
     calls |= {b.name: (lambda b=b: b.propose(seq, anchor)) for b in bases if b.name != "no_draft"}
-    taus = {"drafter": stats["tau"]} | {name: b["tau"] for name, b in stats["baselines"].items()}
-    stats["speedup"] = speedup.speedups(speedup.measure(target, calls, seq, anchor, width), taus)
+    stats["speedup"] = speedup.speedups(speedup.measure(target, calls, seq, anchor, width), proposer_taus(stats))

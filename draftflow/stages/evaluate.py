@@ -33,7 +33,7 @@ from draftflow.evaluation.compare_with import OtherDrafter, decode_others, resol
 from draftflow.evaluation.ddtree import ddtree_taus, evaluate_ddtree, plot_ddtree, render_ddtree
 from draftflow.evaluation.selection import prompt_set
 from draftflow.evaluation.served import render as render_served
-from draftflow.evaluation.suite import add_comparisons
+from draftflow.evaluation.suite import add_comparisons, proposer_taus
 from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
 from draftflow.export_readme import described_target
@@ -146,8 +146,7 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
         lines += [f"| {fmt} | {_tau(r['tau'])} | {_tau(stats['tau'])} | {r['drafts']} | yes |"
                   for fmt, r in stats["vllm"].items()]
     if stats.get("served"):  # tokens/s with and without each method, measured in vLLM
-        taus = {cfg.drafter.kind: stats["tau"]} | {n: b["tau"] for n, b in (stats.get("baselines") or {}).items()}
-        lines += ["", *render_served(stats["served"], taus)]
+        lines += ["", *render_served(stats["served"], proposer_taus(stats, cfg.drafter.kind))]
     if "categories" in stats:  # categories, baselines, projected speedup and their plots
         lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
     if "ddtree" in stats:
