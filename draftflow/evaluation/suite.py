@@ -73,7 +73,7 @@ def run_baselines(
     """Decode `prompts` with each baseline; per baseline the overall stats and its `categories` split.
 
     `no_draft` is not decoded again: its output is `reference` and every step after the prefill's token
-    yields one token (what the loop gives it, tests/test_baselines.py checks).
+    yields one token (what the loop gives it: tests/test_eval_compare.py checks).
 
     Args:
         reference: the target's greedy output per prompt (the drafter's checked outputs): every
