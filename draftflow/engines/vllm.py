@@ -91,10 +91,10 @@ def prepare_environment(vcfg: VLLMEngineConfig) -> None:
     os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir() / "vllm"))
     if on_cpu():
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(vcfg.cpu_kv_cache_gib))
-        bind = cpu_threads_bind(vcfg.cpu_threads_bind)
+        bind, ours = cpu_threads_bind(vcfg.cpu_threads_bind), _bound.pop(_BIND, None)
         if bind is not None:
             os.environ[_BIND] = _bound[_BIND] = bind
-        elif _bound.get(_BIND) is not None and os.environ.get(_BIND) == _bound.pop(_BIND):
+        elif ours is not None and os.environ.get(_BIND) == ours:  # ours, not a binding set since
             del os.environ[_BIND]
 
 
