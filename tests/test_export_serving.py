@@ -9,8 +9,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
-from draftflow.config import DrafterConfig
+from draftflow.config import DrafterConfig, VLLMEngineConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.export import export_speculators, export_vllm_dflash
@@ -141,12 +142,17 @@ def test_train_stage_records_every_export_file_and_a_portable_verifier(tmp_path,
     manifest = Manifest(stage="train", fingerprint="abc", code_version="c", config={}, inputs={}, shards=(),
                         rows_in=0, rows_out=0, dropped={}, tokens=0,
                         extra={"export": {fmt: f"export/{fmt}" for fmt in EXPORT_FORMATS}})
-    lines = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd")  # what `draftflow run` prints
+    compiled = VLLMEngineConfig(enforce_eager=False)
+    lines = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd", vcfg=compiled)  # what `draftflow run` prints
+    eager = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd", vcfg=VLLMEngineConfig(enforce_eager=True))
+    default = serve_lines(root, manifest, "/abs/cache/tiny-0123abcd")  # enforce_eager null: eager on CPU builds
     for fmt in EXPORT_FORMATS:
         assert f'"model": "/runs/demo/train/abc/export/{fmt}"' in (out / "export" / fmt / "README.md").read_text()
         assert " -m vllm.entrypoints.openai.api_server --model /abs/cache/tiny-0123abcd --dtype auto " \
             "--speculative-config " in lines[fmt]
         assert f'"model": "{where[fmt]}"' in lines[fmt]
+        assert eager[fmt] == lines[fmt].replace(" --speculative-config ", " --enforce-eager --speculative-config ")
+        assert default[fmt] == (eager[fmt] if not torch.cuda.is_available() else lines[fmt])
     assert str(tmp_path) not in "".join((out / "export" / fmt / "README.md").read_text() for fmt in EXPORT_FORMATS)
 
 

@@ -111,9 +111,14 @@ def stored_dtype(model_dir: str, dtype: str) -> str:
     return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
 
 
+def eager_mode(vcfg: VLLMEngineConfig) -> bool:
+    """Whether draftflow's vLLM engines run eagerly: `enforce_eager`, or where it is null, on CPU builds only."""
+    return on_cpu() if vcfg.enforce_eager is None else vcfg.enforce_eager
+
+
 def engine_kwargs(vcfg: VLLMEngineConfig, model_dir: str, dtype: str) -> dict[str, Any]:
     """`vllm.LLM` keyword arguments every draftflow use shares (generation, capture, serving)."""
-    eager = on_cpu() if vcfg.enforce_eager is None else vcfg.enforce_eager
+    eager = eager_mode(vcfg)
     return {"tensor_parallel_size": vcfg.tensor_parallel_size, "max_model_len": vcfg.max_model_len,
             "gpu_memory_utilization": vcfg.gpu_memory_utilization, "dtype": stored_dtype(model_dir, dtype),
             "seed": 0, "enforce_eager": eager}

@@ -138,5 +138,5 @@ def add_comparisons(
     seq, anchor = context[:-1], context[-1]
     _, ctx = capture_taps(target, seq, drafter.config.target_layer_ids, round_features)
     calls = {"drafter": lambda: propose(drafter, seq, anchor, ctx)}
-    calls |= {b.name: (lambda b=b: b.propose(seq, anchor)) for b in bases if b.name != "no_draft"}
+    calls |= {b.name: (lambda b=b: b.propose(seq, anchor)) for b in bases if not isinstance(b, NoDraft)}
     stats["speedup"] = speedup.speedups(speedup.measure(target, calls, seq, anchor, width), proposer_taus(stats))

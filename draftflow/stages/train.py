@@ -24,7 +24,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from draftflow.config import RunConfig
+from draftflow.config import RunConfig, VLLMEngineConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
 from draftflow.drafters.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.drafters.registry import drafter_spec
@@ -192,19 +192,23 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
     return write_metrics(out, metrics) + exports
 
 
-def serve_lines(store: Store, trained: Manifest, target: str, dtype: str = "auto") -> dict[str, str]:
+def serve_lines(store: Store, trained: Manifest, target: str, dtype: str = "auto",
+                vcfg: VLLMEngineConfig | None = None) -> dict[str, str]:
     """Per export format of a complete train stage, the line that serves its export where the store holds
-    it, with the target as this machine loaded it (`target`) and the dtype vLLM measured it in, through an
-    interpreter that imports vLLM (`vllm_python`), so the line runs here as printed.
+    it, with the target as this machine loaded it (`target`), the dtype vLLM measured it in and, where
+    draftflow's engines run eagerly (`vcfg`, e.g. on a CPU build), `--enforce-eager`, through an interpreter
+    that imports vLLM (`vllm_python`), so the line runs here as printed and as evaluate measured it.
     Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's."""
-    from draftflow.engines.vllm import stored_dtype
+    from draftflow.engines.vllm import eager_mode, stored_dtype
+
+    eager = eager_mode(vcfg or VLLMEngineConfig())
 
     lines = {}
     for fmt, rel in trained.extra.get("export", {}).items():
         folder = store.stage_path(STAGE, trained.fingerprint, rel)
         config = store.read_json(f"{folder}/config.json")
         lines[fmt] = serve_command(target, store.url(folder), *speculative_settings(config),
-                                   dtype=stored_dtype(target, dtype), python=vllm_python())
+                                   dtype=stored_dtype(target, dtype), python=vllm_python(), eager=eager)
     return lines
 
 

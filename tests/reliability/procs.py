@@ -127,6 +127,34 @@ def run_to_end(env: dict, root: str, log: Path, *extra: str, timeout: float = 30
     assert rc == 0, f"run exited {rc}:\n{log.read_text()[-4000:]}"
 
 
+def run_until_line(env: dict, root: str, log: Path, prefix: str, *extra: str, timeout: float = 300) -> str:
+    """A run, SIGKILLed (its process group) once its output has a line starting with `prefix`; its output.
+    A run that ends first must have succeeded. For a test that needs a re-run's start, not its end."""
+    cmd = [sys.executable, "-m", "flows.cli", *cli_args(root, *extra)]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    end = time.monotonic() + timeout
+    try:
+        while not any(line.startswith(prefix) for line in _whole_lines(log)):
+            if proc.poll() is not None:
+                assert proc.returncode == 0, f"run exited {proc.returncode}:\n{log.read_text()[-4000:]}"
+                break
+            if time.monotonic() > end:
+                pytest.fail(f"no line starting {prefix!r} within {timeout} s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return log.read_text()
+
+
+def _whole_lines(log: Path) -> list[str]:
+    text = log.read_text()
+    return text[: text.rfind("\n") + 1].splitlines()  # a line still being written is not read yet
+
+
 def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, timeout: float = 180) -> None:
     """Start a run with `point` armed, wait for its marker (the event happened), SIGKILL its process group."""
     marker = log.with_suffix(".killed")
