@@ -38,6 +38,9 @@ SMALL = [
     "tokenize.max_length=256", "train.max_steps=6", "train.checkpoint_every=6", "train.num_anchors=8",
     "evaluate.num_prompts=3", "evaluate.max_new_tokens=24", "evaluate.ddtree_budgets=[1]", "evaluate.ddtree_prompts=1",
     "evaluate.served_batches=[1, 2]", "evaluate.served_baselines=[]", "evaluate.vllm_tau_tolerance=0.5",
+    # vLLM's own binding (its worker on one core): .ci/run's other lane has the other core. Bound to both
+    # (configs/smollm2.yaml, for `make rehearsal` on idle cores), its spinning threads and that lane's slow each other.
+    "regenerate.vllm.cpu_threads_bind=null",
 ]
 IM_END = 2  # SmolLM2's <|im_end|>
 
