@@ -204,7 +204,8 @@ def test_remote_reads_are_ranged_cached_bounded_and_verified(tmp_path, counted_s
     assert small.used <= 4096 and sum(f.stat().st_size for f in small.folder.rglob("*.bin")) <= 4096
 
 
-def test_v2_shards_on_s3_are_downloaded_whole_and_checked_by_sha256(tmp_path, counted_s3):
+def test_v2_shards_on_s3_are_downloaded_whole_and_checked_by_sha256(tmp_path, counted_s3, monkeypatch):
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "draftflow-cache"))  # no earlier download (Store.local_path)
     paths, written = _shards(tmp_path)
     _as_v2(Path(paths[1]))
     store = Store("s3://feat-v2/run")
