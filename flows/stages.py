@@ -109,13 +109,13 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
 
 @contextmanager
 def every_core():
-    """On CPU, torch uses every core while a whole-stage task (train, evaluate) runs alone: the CLI's one thread
-    per task (`flows.cli._cpu_threads`) is for shard tasks that run two at a time. DRAFTFLOW_TORCH_THREADS wins."""
+    """On CPU, a whole-stage task (train, evaluate) may use every core: the CLI's one thread per task
+    (`flows.cli._cpu_threads`) is for shard tasks that run two at a time. Inside, the library's loops measure
+    how many of them pay (`draftflow.training.threads`: small ops, or cores another job holds, make one
+    thread fastest); the count is restored after. DRAFTFLOW_TORCH_THREADS fixes it instead."""
     import torch
 
     before = torch.get_num_threads()
-    if not torch.cuda.is_available() and "DRAFTFLOW_TORCH_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
     try:
         yield
     finally:

@@ -33,6 +33,7 @@ from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
 from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
+from draftflow.training import threads
 
 logger = logging.getLogger(__name__)
 RoundFn = Callable[[torch.Tensor], torch.Tensor]
@@ -195,9 +196,12 @@ def evaluate_prompts(
     outputs, per_prompt, per_step = [], [], []
     drafter.eval()
     generate, reference = generate or speculative_generate, reference or greedy_generate
+    chooser = threads.chooser_for(next(target.parameters()).device)  # CPU: the thread count, measured per prompt
     for i, prompt in enumerate(chosen):
-        spec, acc = generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
-        ref = reference(target, prompt, ecfg.max_new_tokens, eos_ids)
+        with threads.step(chooser) as work:  # later phases (baselines, DDTree) keep the count it chose
+            spec, acc = generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
+            ref = reference(target, prompt, ecfg.max_new_tokens, eos_ids)
+            work.units = len(prompt) + len(spec)
         check_lossless(i, spec, ref)
         lengths += acc
         outputs.append(spec)

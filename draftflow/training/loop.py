@@ -40,6 +40,7 @@ from draftflow.features import FeatureSample
 from draftflow.models.weights import SharedTargetDrafter, init_from_target_layers
 from draftflow.target import resolve_device
 from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
+from draftflow.training import threads
 from draftflow.training.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -74,6 +75,7 @@ class _Run:
     env: DistEnv
     lengths: list[int] | None
     on_checkpoint: Callable[[Path], None] | None = None  # rank 0, after each checkpoint is complete
+    thread_chooser: threads.ThreadChooser | None = None  # CPU: the torch thread count, measured on the steps
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     in_step: bool = False  # a step (or its checkpoint) is under way: its state is half-updated
 
@@ -230,7 +232,7 @@ def train_drafter(
         objective.loss_tokens = vocab.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
     run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
-               on_checkpoint)
+               on_checkpoint, threads.chooser_for(device))
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = resumable_checkpoint(out_dir) if resume else None
     if ckpt is not None:
@@ -297,7 +299,8 @@ def _one_step(run: _Run, state: dict, log_every: int) -> None:
     if hasattr(run.samples, "prefetch") and state["step"] + 1 < run.total:  # read the next step meanwhile
         ahead = step_indices(state["step"] + 1, len(run.samples), run.tcfg, run.lengths)
         run.samples.prefetch([i for _, i in run.env.share(list(enumerate(ahead)))])
-    rec = _train_step(run, seqs, state["step"])
+    with threads.step(run.thread_chooser, sum(s.input_ids.numel() for _, s in seqs)):
+        rec = _train_step(run, seqs, state["step"])
     state["step"] += 1
     state["history"].append(rec["loss"])
     state["window"] = (state["window"] + [rec])[-METRIC_WINDOW:]
