@@ -39,8 +39,8 @@ from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.weights import SharedTargetDrafter, init_from_target_layers
 from draftflow.target import resolve_device
-from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
 from draftflow.training import threads
+from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
 from draftflow.training.distributed import (
     DistEnv,
     all_reduce_sum,

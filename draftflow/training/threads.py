@@ -73,9 +73,9 @@ class ThreadChooser:
     """Picks the torch thread count for a loop of similar steps by timing them.
 
     Use `with chooser.step(units) as s:` around each step (`units`: its work, e.g. tokens, so steps of
-    different sizes compare; a step that learns its size as it goes sets `s.units` before it ends). Probing steps run at each candidate in turn; then the fastest count per
-    unit is kept until `reprobe_s` seconds have passed. The very first step is never timed (allocations
-    and caches warm up in it).
+    different sizes compare; a step that learns its size as it goes sets `s.units` before it ends).
+    Probing steps run at each candidate in turn; then the fastest count per unit is kept until `reprobe_s`
+    seconds have passed. The very first step is never timed (allocations and caches warm up in it).
     """
 
     def __init__(self, cores: int | None = None, probe_steps: int = PROBE_STEPS, reprobe_s: float = REPROBE_S,
