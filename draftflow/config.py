@@ -23,6 +23,9 @@ from draftflow.errors import ConfigError
 from draftflow.evaluate_config import EvaluateConfig
 from draftflow.fields import BoolOrFraction, Device, Section
 
+# Re-exported, as the curate section is: the drafter and train sections and their recipes.
+from draftflow.train_config import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig  # noqa: F401
+
 
 class TinyTargetConfig(Section):
     """A Qwen3-architecture target built offline from a fixed seed (no download)."""
@@ -136,65 +139,6 @@ class ExtractConfig(Section):
     force: bool = Field(False, description="start even when the destination lacks the space")
 
 
-class DrafterConfig(Section):
-    """The drafter's kind and shape. DFlash uses every field but the `ttt_*` ones; EAGLE-3 uses
-    `target_layer_ids` (3 taps), `ttt_steps`, `ttt_decay` and `attn_backend`, always has one
-    decoder layer (`num_layers` must be left unset or 1) and ignores `num_taps`."""
-
-    kind: str = Field("dflash", description="drafter algorithm: a kind of the drafter registry "
-                      "(`draftflow.drafters`: dflash, eagle3), checked at preflight")
-    num_layers: int = Field(5, ge=1)
-    block_size: int = Field(16, ge=2)
-    num_taps: int = Field(5, ge=1)
-    target_layer_ids: list[int] | None = Field(
-        None, description="DFlash ids (output of decoder layer L); null = paper default"
-    )
-    mask_token_id: int | None = Field(None, description="null = len(tokenizer)")
-    attn_backend: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto = flex on CUDA, sdpa on CPU")
-    layer_types: list[str] | None = Field(
-        None, description="per layer full_attention | sliding_attention; null = all full"
-    )
-    sliding_window: int | None = Field(None, ge=1, description="window of sliding_attention layers")
-    draft_vocab_size: int = Field(32000, ge=1, description="EAGLE-3: draft vocabulary, the N most frequent "
-                                  "supervised tokens (counted by tokenize, chosen by train)")
-    ttt_steps: int = Field(7, ge=1, description="EAGLE-3: training-time-test unroll steps = drafts per round")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3: loss weight of unroll step i is decay^i")
-
-
-class TrainConfig(Section):
-    epochs: int = Field(6, ge=1)
-    max_steps: int | None = Field(None, ge=1, description="cap on optimizer steps")
-    batch_size: int = Field(1, ge=1, description="sequences per optimizer step")
-    lr: float = Field(6e-4, gt=0.0)
-    warmup_ratio: float = Field(0.04, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    grad_clip: float = Field(1.0, gt=0.0)
-    num_anchors: int = Field(512, ge=1)
-    sampled_softmax: int | None = Field(
-        None, ge=1, description="DFlash: score each block against the supervised tokens tokenize counted plus this "
-        "many others drawn uniformly (log-Q corrected) instead of the whole vocabulary; null = the whole (the paper)")
-    init_from_target: bool = Field(False, description="start the drafter's decoder layers from the target's last "
-                                   "ones (tensors of matching name and shape); measured: README 'A real target'")
-    gamma: float | None = Field(None, gt=0.0, description="null = 7/5/4 for B=16/10/8")
-    checkpoint_every: int = Field(100, ge=1)
-    device: Device = "auto"
-    seed: int = 0
-    length_buckets: bool = Field(True, description="batch_size > 1: group sequences of similar length")
-    nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (one per GPU)")
-    nnodes: int = Field(1, ge=1)
-    rdzv_endpoint: str | None = Field(None, description="host:port of the rendezvous; null = local")
-    launcher: Literal["auto", "inprocess", "torchrun"] = Field(
-        "auto", description="auto = torchrun child processes when more than one process or on CUDA, else in-process")
-    parallel: Literal["ddp", "fsdp"] = Field(
-        "ddp", description="ddp: replicate the drafter, all-reduce gradients; fsdp: FSDP2-shard its trainable layers")
-    bf16: bool = Field(True, description="bf16 autocast of the forward on CUDA (loss in fp32); ignored on CPU")
-    timeout_s: float | None = Field(
-        None, gt=0.0, description="torchrun launcher: kill the training processes after this many seconds")
-    collective_timeout_s: float = Field(
-        600.0, gt=0.0, description="several processes: a collective that waits longer for a peer (a node lost, a "
-        "partitioned link) fails the run; longer than the slowest checkpoint write")
-
-
 class RunnerConfig(Section):
     """Where shard tasks run: threads in the flow's process, or Ray (`pip install draftflow[ray]`).
 
@@ -244,6 +188,16 @@ class RunConfig(Section):
     def _default_root(self) -> RunConfig:
         if self.root is None:
             self.root = f"./runs/{self.name}"
+        return self
+
+    @model_validator(mode="after")
+    def _objective_recipe(self) -> RunConfig:
+        """The drafter's objective options left null follow `train.recipe` (`RECIPE_OBJECTIVE`)."""
+        chosen = RECIPE_OBJECTIVE[self.train.recipe]
+        if self.drafter.distill_top_k is None:
+            self.drafter.distill_top_k = chosen["distill_top_k"].get(self.drafter.kind)
+        if self.drafter.acceptance_loss is None:
+            self.drafter.acceptance_loss = chosen["acceptance_loss"]
         return self
 
     def section(self, name: str) -> Any:

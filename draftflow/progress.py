@@ -37,6 +37,7 @@ class Progress:
     elapsed: float
     rate: float | None
     session: int  # a new number each time the stage begins (a second run in one process is a new bar)
+    note: str = ""  # the stage's latest figure of its own (train: the held-out tau), shown after the rate
 
     @property
     def eta(self) -> float | None:
@@ -55,7 +56,8 @@ class Progress:
         rate = "" if self.rate is None else f", {self.rate:.3g} {self.unit}/s"
         eta = "" if self.eta is None or self.finished else f", ETA {duration(self.eta)}"
         took = f", {duration(self.elapsed)}" if self.finished else ""
-        return f"{self.stage} {self.done}/{self.total} {self.unit}{pct}{rate}{eta}{took}"
+        note = f", {self.note}" if self.note else ""
+        return f"{self.stage} {self.done}/{self.total} {self.unit}{pct}{rate}{eta}{took}{note}"
 
 
 def duration(seconds: float) -> str:
@@ -74,6 +76,7 @@ class _Stage:
     parts: dict[str, tuple[int, int]] = field(default_factory=dict)  # part -> (done, total)
     started: float = field(default_factory=time.monotonic)
     skipped: set[str] = field(default_factory=set)  # parts found done elsewhere (cached): not speed
+    note: str = ""
 
     def snapshot(self, stage: str) -> Progress:
         done = sum(d for d, _ in self.parts.values())
@@ -82,7 +85,7 @@ class _Stage:
         worked = done - sum(self.parts[p][0] for p in self.skipped)
         # No speed (nor ETA) from the first instants: one step in a millisecond is not a rate.
         rate = worked / elapsed if elapsed >= MIN_RATE_SECONDS and worked > 0 else None
-        return Progress(stage, done, total, self.unit, elapsed, rate, self.session)
+        return Progress(stage, done, total, self.unit, elapsed, rate, self.session, self.note)
 
 
 @dataclass
@@ -97,6 +100,31 @@ _lock = threading.Lock()
 _stages: dict[str, _Stage] = {}
 _sinks: dict[str, _Sink] = {}
 _sessions = 0
+
+
+_documents: dict[str, Callable[[str, str, str], None]] = {}
+
+
+def add_document_sink(name: str, fn: Callable[[str, str, str], None]) -> None:
+    """Register (or replace) `name`, which hears every `document(stage, key, markdown)`."""
+    with _lock:
+        _documents[name] = fn
+
+
+def document(stage: str, key: str, markdown: str) -> None:
+    """A stage's live document changed (train: the held-out tau against step): tell the document sinks.
+
+    The newest document of a (stage, key) replaces the last one (the Prefect UI keeps each as a version).
+    A sink that raises is dropped with one warning, as progress sinks are."""
+    with _lock:
+        sinks = list(_documents.items())
+    for name, fn in sinks:
+        try:
+            fn(stage, key, markdown)
+        except Exception as exc:
+            log.warning("document listener %s failed (%s: %s); it is switched off", name, type(exc).__name__, exc)
+            with _lock:
+                _documents.pop(name, None)
 
 
 def add_sink(name: str, fn: Callable[[Progress], None], interval: float = 1.0) -> None:
@@ -127,10 +155,12 @@ def finish(stage: str) -> Progress | None:
     return snap
 
 
-def report(stage: str, done: int, total: int, unit: str = "rows", part: str = "", skipped: bool = False) -> None:
+def report(stage: str, done: int, total: int, unit: str = "rows", part: str = "", skipped: bool = False,
+           note: str | None = None) -> None:
     """`part` of `stage` has `done` of `total` units done (absolute counts; parts run in parallel).
 
     `skipped`: the part was found done (e.g. a cached shard), so it does not count towards the rate.
+    `note`: a figure of the stage's own to show with its progress from now on (train: the held-out tau).
     A report on a finished stage that is not itself finished starts the stage anew (a second run).
     """
     global _sessions
@@ -140,6 +170,8 @@ def report(stage: str, done: int, total: int, unit: str = "rows", part: str = ""
             _sessions += 1
             st = _stages[stage] = _Stage(unit=unit, session=_sessions)
         st.parts[part] = (int(done), int(total))
+        if note is not None:
+            st.note = note
         if skipped:
             st.skipped.add(part)
     _emit(stage)

@@ -17,9 +17,16 @@ import atexit
 import contextvars
 import logging
 import threading
+from dataclasses import dataclass
+from typing import Any
 from uuid import UUID
 
-from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.context import FlowRunContext, TaskRunContext
 
 from draftflow import progress
@@ -32,7 +39,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _artifacts: dict[tuple[str, int], UUID] = {}
 _run = {"name": "draftflow"}
-_queue: dict[tuple[str, int], tuple[contextvars.Context, Progress]] = {}  # newest unsent snapshot per stage
+_queue: dict[tuple, tuple[contextvars.Context, Any]] = {}  # newest unsent snapshot (or document) per stage
 _changed = threading.Condition()
 _sending = [0]  # snapshots taken off the queue and not yet sent
 _sender: list[threading.Thread] = []
@@ -42,6 +49,7 @@ def install(run_name: str) -> None:
     """Send progress of this process's stages to Prefect, keyed by `run_name` (idempotent)."""
     _run["name"] = run_name
     progress.add_sink("prefect", _to_prefect, interval=INTERVAL)
+    progress.add_document_sink("prefect", _document_to_prefect)
 
 
 def track(run_name: str, stage: str, total: int, unit: str = "rows") -> None:
@@ -54,12 +62,29 @@ def _percent(p: Progress) -> float:
     return min(100.0, 100.0 * p.done / p.total) if p.total else 0.0
 
 
+@dataclass(frozen=True)
+class _Document:
+    """A stage's live markdown document (`progress.document`): a markdown artifact, a new version each time."""
+
+    stage: str
+    key: str
+    markdown: str
+
+
+def _document_to_prefect(stage: str, key: str, markdown: str) -> None:
+    _enqueue(("document", stage, key), _Document(stage, key, markdown))
+
+
 def _to_prefect(p: Progress) -> None:
-    """Queue `p` for the sender thread, with the caller's context (the Prefect run the artifact belongs to)."""
+    _enqueue((p.stage, p.session), p)
+
+
+def _enqueue(key: tuple, item: Progress | _Document) -> None:
+    """Queue `item` for the sender thread, with the caller's context (the Prefect run the artifact belongs to)."""
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         return  # the library ran outside Prefect (a notebook, a unit test)
     with _changed:
-        _queue[(p.stage, p.session)] = (contextvars.copy_context(), p)
+        _queue[key] = (contextvars.copy_context(), item)
         if not _sender:
             _sender.append(threading.Thread(target=_send_forever, name="draftflow-progress-ui", daemon=True))
             _sender[0].start()
@@ -96,7 +121,11 @@ def flush(timeout: float = FLUSH_S) -> bool:
 atexit.register(flush, 2.0)  # a stage flow run on its own (a deployment) sends its last figures too
 
 
-def _send(p: Progress) -> None:
+def _send(p: Progress | _Document) -> None:
+    if isinstance(p, _Document):
+        create_markdown_artifact(p.markdown, key=artifact_key(_run["name"], p.stage, p.key),
+                                 description=f"{p.stage}: {p.key} (updated while the stage runs)")
+        return
     key = (p.stage, p.session)
     with _lock:
         artifact = _artifacts.get(key)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 from prefect import flow
 
+from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult, feature_source
 from draftflow.data.stats import table_rows
@@ -23,6 +24,7 @@ from draftflow.stages.registry import spec, stage_inputs
 from draftflow.target import TargetRef
 from draftflow.training.metrics import metrics_table
 from flows.common import map_shards, publish_table, reuse, run_stage
+from flows.progress import install
 from flows.runners import StageTaskRunner
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
@@ -125,13 +127,19 @@ def every_core():
 @flow(name="train")
 def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
     inputs = _inputs(cfg, "train", target, features)
+    install(cfg.name)  # progress and the held-out document reach the UI from a train flow run on its own too
 
     def work(store, fp):
         with every_core():
             return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
     result = run_stage(cfg, "train", inputs, work)
-    publish_table(cfg, "train", "metrics", metrics_table(result.manifest.extra.get("metrics") or {}),
+    metrics = result.manifest.extra.get("metrics") or {}
+    publish_table(cfg, "train", "metrics", metrics_table(metrics),
                   "Final training metrics: loss, tau estimate, accuracy per block position")
+    if metrics.get("heldout"):  # the final held-out document (also after torchrun, whose ranks publish nothing live)
+        from draftflow.training.heldout import markdown
+
+        progress.document("train", "heldout", markdown(metrics["heldout"], metrics.get("kept_step")))
     return result
 
 

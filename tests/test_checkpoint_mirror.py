@@ -12,7 +12,7 @@ import torch
 
 from draftflow.store import Store
 from draftflow.training.checkpoint import latest_checkpoint
-from draftflow.training.loop import train_drafter
+from draftflow.training.loop import Hooks, train_drafter
 from draftflow.training.mirror import MIRROR_DONE, pull_checkpoint, push_checkpoint
 from tests.conftest import preempt_training
 from tests.test_train import samples, tcfg, weights  # noqa: F401  (the samples fixture)
@@ -29,7 +29,7 @@ def test_a_preempted_run_resumes_on_another_machine_from_the_store(tmp_path, mon
 
     restore = preempt_training(monkeypatch, at=8)  # machine A dies during step 8, after the step-5 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):
-        train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "machine-a"), on_checkpoint=push)
+        train_drafter(samples, target, dcfg, tcfg(), str(tmp_path / "machine-a"), hooks=Hooks(on_checkpoint=push))
     restore()
     remote = sorted(p.rsplit("/", 1)[-1] for p in store.fs.ls(mirror, detail=False))
     assert remote == ["step_00000005"]
@@ -39,7 +39,7 @@ def test_a_preempted_run_resumes_on_another_machine_from_the_store(tmp_path, mon
     got = pull_checkpoint(store, mirror, str(b))
     assert got is not None and latest_checkpoint(b).name == "step_00000005"
     assert pull_checkpoint(store, mirror, str(b)) is None  # not newer than what B has now
-    resumed = train_drafter(samples, target, dcfg, tcfg(), str(b), on_checkpoint=push)
+    resumed = train_drafter(samples, target, dcfg, tcfg(), str(b), hooks=Hooks(on_checkpoint=push))
     assert resumed == full
     u, r = weights(tmp_path / "uninterrupted"), weights(b)
     assert set(u) == set(r) and all(torch.equal(u[k], r[k]) for k in u)

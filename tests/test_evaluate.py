@@ -40,7 +40,8 @@ def prompts():
 
 
 TRAIN = TrainConfig(
-    epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu"
+    epochs=100, max_steps=150, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=1000, device="cpu",
+    recipe="paper",
 )
 
 

@@ -214,7 +214,8 @@ def test_warmup_cosine_and_epoch_order():
 
 
 def tcfg(**kw) -> TrainConfig:
-    base = dict(epochs=50, max_steps=12, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=5, device="cpu", seed=0)
+    base = dict(epochs=50, max_steps=12, batch_size=2, lr=3e-3, num_anchors=8, checkpoint_every=5, device="cpu", seed=0,
+                recipe="paper")  # the loop's mechanics; tests/test_heldout.py covers the draftflow recipe's additions
     return TrainConfig(**(base | kw))
 
 

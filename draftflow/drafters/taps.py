@@ -65,7 +65,19 @@ def feature_ids(drafter: DrafterConfig, num_target_layers: int) -> list[int]:
         ConfigError: one line naming the setting (count, range, order, kind).
     """
     rule = check_drafter(drafter)
-    return rule.taps(drafter, num_target_layers) + ([FINAL] if rule.stores_final else [])
+    return rule.taps(drafter, num_target_layers) + ([FINAL] if stores_final(drafter) else [])
+
+
+def stores_final(drafter: DrafterConfig) -> bool:
+    """Whether features hold the target's final normed state: kinds that read it (EAGLE-3), and any kind
+    with soft labels (`drafter.distill_top_k`: the target's distribution is computed from it)."""
+    return tap_rule(drafter.kind).stores_final or bool(drafter.distill_top_k)
+
+
+def final_state_input(drafter: DrafterConfig) -> dict[str, str]:
+    """Extract's fingerprint input for a final state a kind stores only for soft labels ({} otherwise): changing
+    `distill_top_k` from one k to another re-runs training only, turning soft labels on re-runs extract."""
+    return {"final_state": "stored"} if stores_final(drafter) and not tap_rule(drafter.kind).stores_final else {}
 
 
 def min_supervised_tokens(drafter: DrafterConfig, configured: int | None = None) -> int:

@@ -88,6 +88,13 @@ def _tokenize_inputs(cfg: RunConfig) -> dict[str, str]:
     return {"min_supervised_tokens": str(min_supervised_tokens(cfg.drafter, cfg.tokenize.min_supervised_tokens))}
 
 
+def _extract_inputs(cfg: RunConfig) -> dict[str, str]:
+    """Extract: whether the target's final state is stored for soft labels (`drafter.distill_top_k`)."""
+    from draftflow.drafters.taps import final_state_input
+
+    return final_state_input(cfg.drafter)
+
+
 # Third-party libraries whose version can change a stage's bytes (in its code hash, `draftflow.codehash`):
 # the chat template renderer and tokenizer, the model code and kernels.
 TARGET_LIBRARIES = ("torch", "transformers")
@@ -173,7 +180,8 @@ _REGISTRY: list[StageSpec] = _chained([
               more_inputs=_tokenize_inputs, unit="sequences"),
     StageSpec("extract", about="Capture the target's hidden states at the taps.", gpu="shards",
               gpus=_vllm_group(lambda c: c.extract.engine), split="train", run_shard=_in_stage("extract", "run_shard"),
-              libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"), unit="sequences"),
+              libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"),
+              more_inputs=_extract_inputs, unit="sequences"),
     StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), unit="sequences"),
     StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",

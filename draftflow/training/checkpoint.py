@@ -78,6 +78,16 @@ def full_weights(drafter: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: full[k].contiguous() for k in keys} if full else {}
 
 
+def load_weights(drafter: torch.nn.Module, weights: dict[str, torch.Tensor] | None) -> None:
+    """Put whole trainable tensors (`full_weights`' output) back into the live drafter. Under FSDP every rank
+    calls it and rank 0's copy is broadcast (the others may hold none)."""
+    if not is_fsdp(drafter):
+        set_model_state_dict(drafter, weights or {}, options=_SCATTER)
+        return
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True)
+    set_model_state_dict(drafter, weights or {}, options=options)
+
+
 def save_drafter(drafter: torch.nn.Module, out_dir: str | Path, env: DistEnv) -> None:
     """The final `model.safetensors` + `config.json` (rank 0), the same files with or without FSDP."""
     if not is_fsdp(drafter):

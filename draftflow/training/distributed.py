@@ -81,6 +81,15 @@ def all_reduce_sum(t: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(value: int, env: DistEnv) -> int:
+    """The largest `value` over ranks (identity on one process)."""
+    if env.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
 # ----------------------------------------------------------------------------- model preparation
 
 

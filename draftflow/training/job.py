@@ -147,15 +147,24 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     The in-process path, and what each torchrun rank runs (`draftflow.training.launch`). With
     `mirror` (remote roots), every checkpoint is also copied there (`push_checkpoint`).
     """
-    from draftflow.training.loop import Vocab, train_drafter
+    from draftflow.training.loop import Hooks, Vocab, train_drafter
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
+    hooks = Hooks(on_checkpoint=push, on_heldout=publish_heldout)
     metrics = train_drafter(samples, model, dcfg, cfg.train, out, vocab=Vocab(vocab, loss_tokens(store, cfg, features)),
-                            on_checkpoint=push)
+                            hooks=hooks)
     return Trained(metrics, model.config, len(samples), tokens)
+
+
+def publish_heldout(history: list[dict]) -> None:
+    """The held-out history so far, to whoever listens (the Prefect UI: a markdown artifact, new each time)."""
+    from draftflow import progress
+    from draftflow.training.heldout import markdown
+
+    progress.document("train", "heldout", markdown(history))
 
 
 def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: Any,

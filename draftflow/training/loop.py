@@ -24,7 +24,7 @@ import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,14 @@ from draftflow.errors import ConfigError, DraftflowError
 from draftflow.features import FeatureSample
 from draftflow.models.weights import SharedTargetDrafter, init_from_target_layers
 from draftflow.target import resolve_device
-from draftflow.training import threads
-from draftflow.training.checkpoint import load_checkpoint, resumable_checkpoint, save_checkpoint, save_drafter
+from draftflow.training import heldout, threads
+from draftflow.training.checkpoint import (
+    load_checkpoint,
+    load_weights,
+    resumable_checkpoint,
+    save_checkpoint,
+    save_drafter,
+)
 from draftflow.training.distributed import (
     DistEnv,
     all_reduce_sum,
@@ -56,6 +62,14 @@ METRIC_WINDOW = 20  # steps averaged into the reported metrics
 
 
 # ----------------------------------------------------------------------------- one step
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Who hears of a training run's progress (rank 0 only)."""
+
+    on_checkpoint: Callable[[Path], None] | None = None  # each complete checkpoint folder (e.g. copy it to the root)
+    on_heldout: Callable[[list[dict]], None] | None = None  # the held-out history after each measurement
 
 
 @dataclass
@@ -74,8 +88,10 @@ class _Run:
     device: torch.device
     env: DistEnv
     lengths: list[int] | None
-    on_checkpoint: Callable[[Path], None] | None = None  # rank 0, after each checkpoint is complete
+    hooks: Hooks = field(default_factory=Hooks)
     thread_chooser: threads.ThreadChooser | None = None  # CPU: the torch thread count, measured on the steps
+    heldout_set: heldout.Subset | None = None  # sequences never trained on, measured every `eval_every` steps
+    eval_every: int = 0
     saved_step: int | None = None  # the step of the last checkpoint this run wrote
     in_step: bool = False  # a step (or its checkpoint) is under way: its state is half-updated
 
@@ -181,7 +197,7 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 
 def train_drafter(
     samples: list[FeatureSample], target_model, dcfg: Any, tcfg: TrainConfig, out_dir: str,
-    resume: bool = True, vocab: Vocab | None = None, on_checkpoint: Callable[[Path], None] | None = None,
+    resume: bool = True, vocab: Vocab | None = None, hooks: Hooks | None = None,
 ) -> dict:
     """Train a drafter of the kind `dcfg` (a kind's drafter config) names; checkpoint and resume in `out_dir`.
 
@@ -198,13 +214,15 @@ def train_drafter(
         resume: continue from the newest checkpoint in `out_dir` when there is one.
         vocab: the vocabularies chosen from tokenize's counts (`Vocab`): EAGLE-3's draft vocabulary,
             DFlash's always-scored tokens under `train.sampled_softmax`.
-        on_checkpoint: called on rank 0 with each complete checkpoint folder (e.g. to copy it
-            to the run root, so a run on another machine resumes from it).
+        hooks: called on rank 0 with each complete checkpoint folder (e.g. to copy it to the run
+            root, so a run on another machine resumes from it) and with the held-out history after
+            each measurement (`train.eval_every`; `draftflow.training.heldout`).
 
     Returns:
         Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1
         (EAGLE-3: per unroll step), tau_est, steps, trainable_params, frozen_params,
-        skipped_sequences.
+        skipped_sequences; with held-out sequences also heldout (the history), heldout_tau and
+        heldout_acceptance (of the kept drafter), best_step, kept_step, stopped_early.
     """
     if not samples:
         raise ConfigError("no training samples: the extract stage produced no features")
@@ -225,21 +243,31 @@ def train_drafter(
     drafter = prepare_model(drafter, tcfg, env, device)  # FSDP2 shards (train.parallel), bf16 autocast on CUDA
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
-    total = total_steps(len(samples), tcfg)
+    lengths = _lengths(samples)
+    train_set, held = heldout.split(samples, lengths, tcfg.heldout_fraction if tcfg.eval_every != "off" else 0.0)
+    total = total_steps(len(train_set), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
     objective = spec.objective(dcfg, tcfg)
     if vocab.loss_tokens is not None:
         objective.loss_tokens = vocab.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
-    run = _Run(drafter, opt, sched, samples, tcfg, objective, total, out_dir, meta, device, env, _lengths(samples),
-               on_checkpoint, threads.chooser_for(device))
+    run = _Run(drafter, opt, sched, train_set, tcfg, objective, total, out_dir, meta, device, env,
+               train_set.lengths if held else lengths, hooks or Hooks(), threads.chooser_for(device), held,
+               _eval_every(tcfg, total) if held else 0)
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = resumable_checkpoint(out_dir) if resume else None
     if ckpt is not None:
         state = load_checkpoint(ckpt, drafter, opt, sched, run.meta, device)
         logger.info("resumed from %s at step %d of %d", ckpt, state["step"], total)
+    for key, empty in (("heldout", []), ("best", None), ("best_weights", None), ("stopped_early", None),
+                       ("since_best", 0)):
+        state.setdefault(key, empty)
     _run_steps(run, state)
-    metrics = _metrics(state, drafter)
+    metrics = _metrics(state, drafter) | heldout.run_metrics(run, state)
+    if tcfg.keep == "best" and state["best"] is not None and state["best"]["step"] != state["step"]:
+        load_weights(drafter, state["best_weights"])  # every rank (FSDP: rank 0's copy is broadcast)
+        logger.info("kept the drafter of step %d (held-out tau %.4f), not the last step's", state["best"]["step"],
+                    state["best"]["tau"])
     save_drafter(drafter, out_dir, env)  # every rank: FSDP gathers the shards
     if env.is_main:
         (Path(out_dir) / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -283,7 +311,7 @@ def _stop_here(run: _Run, state: dict) -> None:
 def _steps(run: _Run, state: dict) -> None:
     log_every = max(1, run.total // 20)
     run.drafter.train()
-    while state["step"] < run.total:
+    while state["step"] < run.total and state.get("stopped_early") is None:
         with interrupt.step_boundary():  # in the main thread a signal lands after this step, not inside it
             run.in_step = True
             _one_step(run, state, log_every)
@@ -309,17 +337,24 @@ def _one_step(run: _Run, state: dict, log_every: int) -> None:
     if state["step"] % log_every == 0 or state["step"] == run.total:
         lr = run.sched.get_last_lr()[0]
         logger.info("step %d/%d loss %s lr %.2e", state["step"], run.total, _fmt(rec["loss"]), lr)
+    if run.heldout_set is not None and (state["step"] % run.eval_every == 0 or state["step"] == run.total):
+        heldout.after_measurement_step(run, state)  # before the checkpoint of the same step, which then holds it
     due = state["step"] % run.tcfg.checkpoint_every == 0 or state["step"] == run.total
-    if due:
+    if due or state["stopped_early"] is not None:
         _checkpoint(run, state)
+
+
+def _eval_every(tcfg: TrainConfig, total: int) -> int:
+    """Steps between held-out measurements: `train.eval_every`, or 20 a run for `auto`."""
+    return tcfg.eval_every if isinstance(tcfg.eval_every, int) else max(1, total // 20)
 
 
 def _checkpoint(run: _Run, state: dict) -> None:
     """Every rank calls it (FSDP gathers the shards); rank 0 writes, then `on_checkpoint` (the store's copy)."""
     folder = save_checkpoint(run.out_dir, run.drafter, run.opt, run.sched, state, run.meta, run.env)
     run.saved_step = state["step"]
-    if folder is not None and run.on_checkpoint is not None:
-        run.on_checkpoint(folder)
+    if folder is not None and run.hooks.on_checkpoint is not None:
+        run.hooks.on_checkpoint(folder)
 
 
 def _fmt(loss: float | None) -> str:

@@ -31,6 +31,7 @@ class BlockBatch:
     labels: torch.Tensor  # (1, Q) int64, IGNORE at slot 0 and unsupervised targets
     vocab: torch.Tensor | None = None  # (K,) sorted token ids scored (train.sampled_softmax), else all
     vocab_bias: torch.Tensor | None = None  # (K,) log-Q correction added to those logits
+    final: torch.Tensor | None = None  # (1, T, D) the target's final normed states (drafter.distill_top_k)
 
     def to(self, device: torch.device | str) -> BlockBatch:
         return BlockBatch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})

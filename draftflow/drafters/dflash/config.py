@@ -15,7 +15,7 @@ from draftflow.compat import rope_scaling
 from draftflow.config import DrafterConfig
 from draftflow.drafters.dflash.taps import check_layer_types
 from draftflow.errors import ConfigError
-from draftflow.layers import dflash_taps
+from draftflow.layers import FINAL, dflash_taps
 from draftflow.models.attention import ATTENTION_BACKENDS
 from draftflow.models.blocks import target_dims
 
@@ -46,7 +46,14 @@ class DFlashConfig:
     attn_backend: str = "auto"  # "auto" = flex on CUDA, sdpa elsewhere
     layer_types: list[str] | None = None  # per layer "full_attention" | "sliding_attention"
     sliding_window: int | None = None
+    distill_top_k: int | None = None  # training's labels (`ObjectiveOptions`): 0/None hard, k > 0 the target's top k
+    acceptance_loss: bool = False  # training: the acceptance-oriented loss (`ObjectiveOptions`)
     architecture: str = field(default="DFlashDrafter")
+
+    @property
+    def stores_final(self) -> bool:
+        """Whether its features end with the target's final state (soft labels are computed from it)."""
+        return bool(self.distill_top_k)
 
     @property
     def num_taps(self) -> int:
@@ -54,8 +61,8 @@ class DFlashConfig:
 
     @property
     def feature_ids(self) -> list[int]:
-        """What a feature shard must hold, in order (the taps; EAGLE-3 adds the final state)."""
-        return list(self.target_layer_ids)
+        """What a feature shard must hold, in order: the taps, then the final state for soft labels."""
+        return list(self.target_layer_ids) + ([FINAL] if self.stores_final else [])
 
     @classmethod
     def from_target(cls, target_config: Any, drafter: DrafterConfig, mask_token_id: int | None = None) -> DFlashConfig:
@@ -86,6 +93,8 @@ class DFlashConfig:
             attn_backend=drafter.attn_backend,
             layer_types=list(drafter.layer_types) if drafter.layer_types else None,
             sliding_window=drafter.sliding_window,
+            distill_top_k=drafter.distill_top_k,
+            acceptance_loss=bool(drafter.acceptance_loss),
         )
         cfg.validate()
         return cfg

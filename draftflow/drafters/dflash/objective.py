@@ -11,7 +11,7 @@ from draftflow.config import TrainConfig
 from draftflow.drafters.batches import IGNORE, anchor_generator
 from draftflow.drafters.dflash.batches import BlockBatch, build_training_batch, sampled_vocab
 from draftflow.drafters.dflash.config import DFlashConfig
-from draftflow.drafters.objectives import LossStats
+from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
 from draftflow.features import FeatureSample
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
@@ -30,7 +30,8 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.where(k >= 1, torch.exp(-(k - 1) / gamma), torch.zeros(()))
 
 
-def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float) -> LossStats:
+def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float,
+                soft: tuple[torch.Tensor, torch.Tensor] | None = None, acceptance: bool = False) -> LossStats:
     """Decayed block cross entropy plus accuracy statistics.
 
     Args:
@@ -38,18 +39,29 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
         labels: (1, Q) targets, IGNORE where unsupervised (always at slot 0).
         block_size: B.
         gamma: decay; slot k has weight exp(-(k-1)/gamma).
+        soft: the target's top-k (ids (Q, k), probabilities (Q, k)) per slot, in the logits' columns
+            (`drafter.distill_top_k`); None = the hard labels (the paper).
+        acceptance: `drafter.acceptance_loss`: each slot's loss is -log(acceptance) and its weight adds the
+            accepted drafts that depend on it (`objectives.chain_gain`).
 
     Returns:
-        `LossStats`; `loss` is normalised by the summed weight of valid slots.
-        A block's leading count stops at its first wrong or unsupervised slot.
+        `LossStats`; `loss` is normalised by the summed decay weight of valid slots (the paper's; the
+        acceptance weights come on top). A block's leading count stops at its first wrong or unsupervised slot.
     """
     V = logits.shape[-1]
     flat = labels.reshape(-1)
-    ce = F.cross_entropy(logits.reshape(-1, V).float(), flat, ignore_index=IGNORE, reduction="none")
     valid = (flat != IGNORE).view(-1, block_size)  # (N, B)
     w = slot_weights(block_size, gamma).to(logits.device)[None, :] * valid  # (N, B)
-    weighted_sum = (ce.view(-1, block_size) * w).sum()
     weight_sum = float(w.sum())
+    if soft is None and not acceptance:  # the paper's recipe, exactly
+        ce = F.cross_entropy(logits.reshape(-1, V).float(), flat, ignore_index=IGNORE, reduction="none")
+        weighted_sum = (ce.view(-1, block_size) * w).sum()
+    else:
+        terms, alpha = slot_terms(logits.reshape(-1, V), flat, soft, acceptance)
+        terms, alpha = terms.view(-1, block_size), alpha.view(-1, block_size)
+        if acceptance:  # slot 0 is the given anchor: the chain is slots 1..B-1
+            w = w + F.pad(chain_gain(alpha[:, 1:], valid[:, 1:].float()), (1, 0))
+        weighted_sum = torch.where(valid, terms * w, 0.0).sum()
     hit = (logits.detach().argmax(-1).reshape(-1) == flat).view(-1, block_size) & valid
     leading = hit[:, 1:].int().cumprod(dim=1).sum(dim=1)  # (N,)
     return LossStats(
@@ -62,24 +74,42 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
     )
 
 
+HELDOUT_STEP = 1 << 40  # the anchors of held-out blocks: a seed no training step uses
+
+
 class DFlashObjective:
-    """DFlash: random anchored blocks, the decayed block cross entropy."""
+    """DFlash: random anchored blocks, the decayed block cross entropy (and the `ObjectiveOptions`)."""
 
     def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig):
         self.cfg, self.tcfg, self.B = cfg, tcfg, cfg.block_size
         self.gamma = tcfg.gamma or default_gamma(cfg.block_size)
         self.weights = slot_weights(cfg.block_size, self.gamma)
         self.n_slots = cfg.block_size - 1
+        self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)
         # train.sampled_softmax: the supervised token ids always scored (set by the loop from tokenize's counts).
         self.loss_tokens: torch.Tensor | None = None
 
+    def _blocks(self, sample: FeatureSample, gen: torch.Generator) -> BlockBatch | None:
+        final = None
+        if self.cfg.stores_final:  # features: the taps, then the target's final state (soft labels' source)
+            final = sample.hidden[:, -1]
+            sample = FeatureSample(sample.sample_id, sample.input_ids, sample.loss_mask, sample.hidden[:, :-1])
+        b = build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
+        if b is not None and final is not None:
+            b.final = final[None]
+        return b
+
     def batch(self, sample: FeatureSample, step: int, j: int) -> BlockBatch | None:
         gen = anchor_generator(self.tcfg.seed, step, j)
-        b = build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
+        b = self._blocks(sample, gen)
         if b is not None and self.tcfg.sampled_softmax and self.loss_tokens is not None:  # same generator: resumable
             b.vocab, b.vocab_bias = sampled_vocab(b.labels, self.loss_tokens, self.cfg.vocab_size,
                                                   self.tcfg.sampled_softmax, gen)
         return b
+
+    def heldout_batch(self, sample: FeatureSample, j: int) -> BlockBatch | None:
+        """Blocks of a held-out sequence at fixed anchors, scored over the whole vocabulary (as decoding is)."""
+        return self._blocks(sample, anchor_generator(self.tcfg.seed, HELDOUT_STEP, j))
 
     def weight(self, b: BlockBatch) -> float:
         return float((self.weights * (b.labels.view(-1, self.B) != IGNORE)).sum())
@@ -89,4 +119,14 @@ class DFlashObjective:
         labels = b.labels
         if b.vocab is not None:  # label ids -> their column among the scored tokens (accuracy is within them)
             labels = torch.where(labels == IGNORE, labels, torch.searchsorted(b.vocab, labels.clamp_min(0)))
-        return dflash_loss(logits, labels, self.B, self.gamma)
+        soft = self._soft_labels(drafter, b) if self.options.distill_top_k else None
+        return dflash_loss(logits, labels, self.B, self.gamma, soft, self.options.acceptance_loss)
+
+    @torch.no_grad()
+    def _soft_labels(self, drafter, b: BlockBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-k at every slot, in the logits' columns: slot k's token a+k is what the target
+        predicts from its final state at a+k-1 (its LM head is the drafter's, shared and frozen)."""
+        head = drafter.lm_head.weight
+        h = b.final[0, (b.block_pos[0] - 1).clamp_min(0)].to(head.dtype)  # (Q, D)
+        target_logits = F.linear(h, head) if b.vocab is None else F.linear(h, head[b.vocab]) + b.vocab_bias
+        return top_k_targets(target_logits, self.options.distill_top_k)

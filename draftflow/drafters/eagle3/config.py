@@ -31,6 +31,8 @@ class Eagle3Config:
     num_target_layers: int
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    distill_top_k: int | None = None  # training's labels (`ObjectiveOptions`): None the whole distribution
+    acceptance_loss: bool = False  # training: the acceptance-oriented loss (`ObjectiveOptions`)
     architecture: str = field(default="Eagle3Drafter")
 
     @property
@@ -54,6 +56,8 @@ class Eagle3Config:
             num_target_layers=n_layers,
             ttt_steps=drafter.ttt_steps,
             ttt_decay=drafter.ttt_decay,
+            distill_top_k=drafter.distill_top_k,
+            acceptance_loss=bool(drafter.acceptance_loss),
         )
         cfg.validate()
         return cfg

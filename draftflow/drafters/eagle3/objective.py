@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from draftflow.config import TrainConfig
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
-from draftflow.drafters.objectives import LossStats
+from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
 from draftflow.features import FeatureSample
 
 
@@ -60,19 +60,65 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
     )
 
 
+def eagle3_options_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
+                        supervised: torch.Tensor, decay: float, options: ObjectiveOptions) -> LossStats:
+    """`eagle3_loss` with the `ObjectiveOptions`: labels the target's top-k (k = 0: its argmax alone) instead of
+    its whole distribution, and/or the acceptance-oriented loss (`objectives.chain_gain` over the unroll: step
+    i's draft is accepted only if steps 0..i-1 were). Same statistics and normalisation as `eagle3_loss`."""
+    R, K = supervised.shape[-1], len(logits)
+    k = options.distill_top_k
+    terms, alphas, valids, hits, weight_sum = [], [], [], [], 0.0
+    for i, lg in enumerate(logits):
+        p = probs[0, 1 + i : 1 + i + R]  # (R_i, Vd)
+        n = p.shape[0]
+        valid = supervised[0, i, :n] & in_vocab[0, 1 + i : 1 + i + n]
+        if k is None:  # the whole distribution (the paper): its support is every draft token
+            soft = (torch.arange(p.shape[-1], device=p.device).expand(n, -1), p)
+        elif k == 0:  # hard labels: the target's argmax alone
+            soft = (p.argmax(-1, keepdim=True), p.new_ones(n, 1))
+        else:
+            soft = top_k_targets(p.log(), k)
+        term, alpha = slot_terms(lg[0, :n], p.argmax(-1), soft, options.acceptance_loss)
+        terms.append(F.pad(term, (0, R - n)))
+        alphas.append(F.pad(alpha, (0, R - n)))
+        valids.append(F.pad(valid, (0, R - n)))
+        hits.append(F.pad((lg[0, :n].detach().argmax(-1) == p.argmax(-1)) & valid, (0, R - n)))
+        weight_sum += decay**i * float(supervised[:, i].sum())
+    term, alpha, valid, hit = (torch.stack(x, dim=1) for x in (terms, alphas, valids, hits))  # (R, K)
+    w = torch.tensor([decay**i for i in range(K)], device=term.device)[None, :] * valid
+    if options.acceptance_loss:
+        w = w + chain_gain(alpha, valid.float())
+    weighted_sum = torch.where(valid, term * w, 0.0).sum()
+    leading = hit.int().cumprod(dim=1).sum(dim=1)[valid[:, 0]]
+    return LossStats(
+        loss=weighted_sum / max(weight_sum, 1e-12),
+        weighted_sum=weighted_sum,
+        weight_sum=weight_sum,
+        correct=hit.sum(0).cpu().double(),
+        valid=valid.sum(0).cpu().double(),
+        leading=leading.cpu(),
+    )
+
+
 class Eagle3Objective:
     """EAGLE-3: the training-time-test unroll, soft targets over the draft vocabulary."""
 
     def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig):
         self.cfg, self.n_slots = cfg, cfg.ttt_steps
         self.decays = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
+        self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)
 
     def batch(self, sample: FeatureSample, step: int, j: int) -> Eagle3Batch | None:
         return make_eagle3_batch(sample, self.cfg.ttt_steps)  # deterministic: every row is used
+
+    def heldout_batch(self, sample: FeatureSample, j: int) -> Eagle3Batch | None:
+        return make_eagle3_batch(sample, self.cfg.ttt_steps)
 
     def weight(self, b: Eagle3Batch) -> float:
         return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.decays))
 
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
         logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
-        return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
+        if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
+            return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
+        return eagle3_options_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay, self.options)
