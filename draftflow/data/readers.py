@@ -4,7 +4,8 @@ A source is a path (a file or a glob; relative to an installed Python package's 
 source names a `package`), a Hugging Face dataset name, or a self_instruct or code_stubs source's
 generated file (`SourceConfig.generated`, set at stage start). Files are
 JSONL (`.jsonl`/`.json`, plain or compressed: `.gz`, `.zst`, `.bz2`, `.xz`,
-inferred from the extension) or parquet (read in row batches). Hugging Face
+inferred from the extension; a file whose text starts with `[` is one JSON array of objects, streamed
+by `draftflow.data.json_array`) or parquet (read in row batches). Hugging Face
 datasets are read with `datasets`' streaming loader, imported lazily (the
 optional extra `draftflow[hf]`). Nothing here holds more than one batch of a
 source in memory; lines that cannot be parsed come out as `BadRow`s to count,
@@ -27,6 +28,7 @@ from typing import IO, Any
 import fsspec
 
 from draftflow.config import SourceConfig
+from draftflow.data.json_array import read_array
 from draftflow.data.sources import BadRow
 from draftflow.errors import ConfigError, SourceError
 from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
@@ -269,10 +271,13 @@ def _sniff_jsonl(path: str) -> None:
         raise SourceError(f"{path} is binary, not JSON Lines text (compressed files need a .gz, .zst, .bz2 or "
                           ".xz name; parquet a .parquet name); fix or remove it, or fix curate.sources[].path")
     text = head.decode("utf-8", "replace").lstrip("\ufeff \t\r\n")
-    if text and not text.startswith("{"):
-        what = "a JSON array" if text.startswith("[") else f"{text[:20]!r}"
-        raise SourceError(f"{path} starts with {what}, not a JSON object: draftflow reads JSON Lines (one "
-                          "object per line); convert it, or fix curate.sources[].path")
+    array = text.startswith("[")
+    if array and not text[1:].lstrip().startswith(("{", "]")):
+        raise SourceError(f"{path} is a JSON array of {text[1:].lstrip()[:20]!r}..., not of objects: draftflow reads "
+                          "JSON Lines or an array of objects; convert it, or fix curate.sources[].path")
+    if text and not array and not text.startswith("{"):
+        raise SourceError(f"{path} starts with {text[:20]!r}, not a JSON object: draftflow reads JSON Lines (one "
+                          "object per line) or a JSON array of objects; convert it, or fix curate.sources[].path")
 
 
 def read_hf(src: SourceConfig) -> Iterator[dict[str, Any] | BadRow]:
@@ -297,13 +302,28 @@ def _open_lines(path: str) -> Iterator[IO[bytes]]:
 
 
 def _read_jsonl(path: str, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[dict[str, Any] | BadRow]:
+    """JSON Lines, or one JSON array of objects (`draftflow.data.json_array`: ShareGPT's files) when the text
+    starts with `[`."""
     with _open_lines(path) as fh:
+        if _starts_array(fh):
+            yield from read_array(fh, max_row_bytes, REJECT_HEAD_BYTES)
+            return
         for lineno, (raw, size) in enumerate(_bounded_lines(fh, max_row_bytes), 1):
             if size > max_row_bytes:
                 yield BadRow("row_too_large", f"line {lineno}: {size:,} bytes, over max_row_bytes "
                              f"({max_row_bytes:,})", raw.decode("utf-8", "replace") + "...")
             elif raw.strip():
                 yield _parse_line(raw, lineno)
+
+
+def _starts_array(fh) -> bool:
+    """Whether the text starts (after whitespace) with `[`; `fh` is left at its start (a peek, not a read)."""
+    head = fh.peek(SNIFF_BYTES)[:SNIFF_BYTES] if hasattr(fh, "peek") else b""
+    if not head:
+        start = fh.tell()
+        head = fh.read(4096)
+        fh.seek(start)
+    return head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"["
 
 
 def _bounded_lines(fh, limit: int, chunk: int = 1 << 20) -> Iterator[tuple[bytes, int]]:

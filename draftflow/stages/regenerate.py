@@ -8,6 +8,9 @@ vllm) have them kept per turn, so tokenize supervises exactly what the target
 produced. Every row records its provenance (engine, model, revision or target
 fingerprint, sampling, `enable_thinking`, finish reason, token counts).
 
+Fixed data (`regenerate.answers: source`, how EAGLE-1 trained): the sources' own answers are kept and
+nothing is generated; extract's one forward pass is then the only cost of the target.
+
 Resume: a shard is worked in chunks of `checkpoint_every` conversations; after
 each chunk the finished rows and rejects are committed to `partial/<shard>`,
 so a crash redoes at most one chunk. Output rows are keyed by sample id and
@@ -164,6 +167,31 @@ def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, par
     return out, rejects, sum(d.cut == "cut_before_tool_result" for d in dialogs)
 
 
+def keep_source_answers(rows: list[dict], chat) -> tuple[list[dict], list[dict]]:
+    """`regenerate.answers: source` (fixed data): each conversation as the source wrote it, its assistant turns
+    supervised as they are (no token ids: tokenize derives them from the template). (rows out, rejects)."""
+    provenance = json.dumps({"engine": "none", "answers": "source"})
+    out, rejects = [], []
+    for row in rows:
+        try:
+            chat.validate(row["messages"])
+        except ConversationError as exc:
+            rejects.append(reject(row["source"], exc.reason, str(exc), row["sample_id"]))
+            continue
+        turns = [i for i, m in enumerate(row["messages"])
+                 if m["role"] == "assistant" and (m.get("content") or "").strip()]
+        if not turns:
+            rejects.append(reject(row["source"], "no_source_answer", "regenerate.answers is source but the row has "
+                                  "no assistant answer (a prompt-only row needs the target)", row["sample_id"]))
+            continue
+        generated = [{"turn": i, "ids": [], "finish_reason": "source", "prompt_tokens": 0, "completion_tokens": 0}
+                     for i in turns]
+        out.append({"sample_id": row["sample_id"], "source": row["source"], "split": row["split"],
+                    "messages": row["messages"], "tools": row.get("tools"), "generated": generated,
+                    "provenance": provenance, "enable_thinking": False, "finish_reason": "stop"})
+    return out, rejects
+
+
 def _partial_paths(store: Store, fp: str, name: str) -> tuple[str, str]:
     return store.stage_path(STAGE, fp, "partial", name), store.stage_path(STAGE, fp, "partial", f"rejected-{name}")
 
@@ -190,7 +218,7 @@ def save_partial(store: Store, fp: str, name: str, rows: list[dict], rejects: li
 
 def check_engine(cfg: RunConfig, target: TargetRef) -> None:
     """Fail before any work when the configured engine cannot serve (e.g. an unreachable URL)."""
-    if cfg.regenerate.engine != "openai":
+    if cfg.regenerate.engine != "openai" or cfg.regenerate.answers == "source":
         return
     from draftflow.engines.openai import OpenAIEngine
 
@@ -222,6 +250,10 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
     todo = [r for r in rows if r["sample_id"] not in seen]
     if seen:
         log.info("%s: resuming, %d of %d conversations already done", name, len(rows) - len(todo), len(rows))
+    if rcfg.answers == "source":  # fixed data: nothing to generate, so no engine
+        out, rej = keep_source_answers(todo, ChatFormat.from_pretrained(target.path))
+        progress.report(STAGE, len(rows), len(rows), part=name)
+        return _finish_shard(store, fp, shard, rows, done + out, rejects + rej, 0)
     engine = make_engine(rcfg, target.path, cfg.target.dtype, cfg.target.device, cfg.target.revision)
     chat, params = ChatFormat.from_pretrained(target.path), sampling_params(rcfg, target.path)
     provenance, limit, cut = provenance_of(engine, cfg, target, params), context_limit(cfg, target.path), 0
