@@ -26,7 +26,7 @@ def conversation(i: int, text: str = "") -> dict:
 def torn_array(n: int) -> str:
     """`n` complete records, pretty-printed as ShareGPT's file is, then one cut off in its middle."""
     whole = json.dumps([conversation(i) for i in range(n + 1)], indent=2, ensure_ascii=False)
-    return whole[: whole.index('"id": "c%d"' % n) + 40]
+    return whole[: whole.index(f'"id": "c{n}"') + 40]
 
 
 def reasons(rows) -> list[str]:
