@@ -56,6 +56,7 @@ class ServedResult:
     per_prompt: list[tuple[int, int]] = field(default_factory=list)
     tok_s: dict[int, float] = field(default_factory=dict)
     tokens_by_batch: dict[int, list[list[int]]] = field(default_factory=dict)
+    probe: dict[int, dict[int, float]] = field(default_factory=dict)  # batch -> new positions -> s (`probe_verify`)
 
 
 def speculative_config(export_dir: str | Path) -> dict[str, Any]:
@@ -72,6 +73,11 @@ def speculative_config(export_dir: str | Path) -> dict[str, Any]:
         raise ConfigError(f"no drafter export at {export_dir} (config.json missing); run the train stage first")
     method, tokens = speculative_settings(json.loads(path.read_text()))
     return {"method": method, "model": str(export_dir), "num_speculative_tokens": tokens}
+
+
+def with_drafts(spec: dict[str, Any], num_speculative_tokens: int) -> dict[str, Any]:
+    """`spec` serving `num_speculative_tokens` drafts a step instead of its own number."""
+    return spec | {"num_speculative_tokens": int(num_speculative_tokens)}
 
 
 def prompt_lookup_config(num_speculative_tokens: int, max_ngram: int = 3) -> dict[str, Any]:
@@ -155,6 +161,42 @@ def decode_timed(llm: Any, vllm: Any, prompts: list[list[int]], max_new_tokens: 
     return out
 
 
+PROBE_CONTEXT = 64  # tokens of cached context before the probed positions (whole KV-cache blocks of 16)
+PROBE_REPEATS = 5
+
+
+def probe_verify(llm: Any, vllm: Any, prompts: list[list[int]], positions: int, batches: tuple[int, ...],
+                 repeats: int = PROBE_REPEATS) -> dict[int, dict[int, float]]:
+    """What computing n new positions after a cached context costs the serving engine, n = 1..`positions`.
+
+    Each request is a prompt's first `PROBE_CONTEXT` tokens (cached by a first, untimed request: vLLM keeps
+    whole blocks) plus n new tokens, sampling one: the forward a speculative step runs to verify n-1 drafts,
+    plus a request's fixed overhead, which `serve_choice.verify_from_probe` cancels out. The n tokens change
+    at every repeat (never a cache hit). Returns batch -> n -> median seconds of one request per sequence.
+    """
+    import statistics
+
+    params = vllm.SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    pool = [t for p in prompts for t in p] or [0]
+    contexts = [(list(p) * PROBE_CONTEXT)[:PROBE_CONTEXT] if p else pool[:PROBE_CONTEXT] for p in prompts]
+    out: dict[int, dict[int, float]] = {}
+    for b in batches:
+        group = (contexts * b)[:b]
+        _generate(llm, group, params)  # caches the contexts
+        out[b] = {}
+        for n in range(1, positions + 1):
+            times = []
+            for r in range(repeats + 1):
+                extra = [[pool[(17 * (r * positions + n) + 31 * i + j) % len(pool)] for j in range(n)]
+                         for i in range(b)]
+                start = time.perf_counter()
+                _generate(llm, [c + e for c, e in zip(group, extra)], params)
+                if r:  # the first is a warm-up of this shape
+                    times.append(time.perf_counter() - start)
+            out[b][n] = statistics.median(times)
+    return out
+
+
 @dataclass(frozen=True)
 class ServeJob:
     """What every served decode of one evaluation shares: the target, how vLLM runs it, and the prompts.
@@ -172,6 +214,7 @@ class ServeJob:
     dtype: str = "auto"
     batches: tuple[int, ...] = ()
     categories: tuple[str, ...] = ()
+    probe_positions: int = 0  # plain decoding: also `probe_verify` up to this many new positions (0: no probe)
 
 
 def serve_with_vllm(job: ServeJob, export_dir: str | Path | None = None,
@@ -201,11 +244,16 @@ def serve_with_vllm(job: ServeJob, export_dir: str | Path | None = None,
     prepare_environment(job.vcfg)
     release_engines()  # a generation or capture engine of this process would hold the memory
     extra = {"speculative_config": spec} if spec else {}
+    probing = job.probe_positions > 0 and spec is None and bool(job.batches)
+    if probing:
+        extra["enable_prefix_caching"] = True  # the probe's contexts are computed once
     llm = vllm.LLM(model=job.target_path, disable_log_stats=False, **extra,
                    **engine_kwargs(job.vcfg, job.target_path, job.dtype))
     try:
         run = decode_timed(llm, vllm, job.prompts, job.max_new_tokens, job.stop_ids,
                            job.batches or (len(job.prompts) or 1,), warm_up=bool(job.batches))
+        if probing:
+            run["probe"] = probe_verify(llm, vllm, job.prompts, job.probe_positions, job.batches)
     finally:
         shutdown_llm(llm)
     drafts, accepted, per_pos = run["counters"]
@@ -216,4 +264,4 @@ def serve_with_vllm(job: ServeJob, export_dir: str | Path | None = None,
              {b: round(v, 1) for b, v in run["tok_s"].items()})
     first = next(iter(run["tokens_by_batch"]))
     return ServedResult(name, run["tokens_by_batch"][first], tau, rate, drafts, accepted, run["per_prompt"],
-                        run["tok_s"] if job.batches else {}, run["tokens_by_batch"])
+                        run["tok_s"] if job.batches else {}, run["tokens_by_batch"], run.get("probe", {}))

@@ -16,10 +16,12 @@ a CPU); the figures are this machine's under its current load and are not finger
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
+from draftflow.evaluation import serve_choice
 from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,8 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
         (the `served` record of report.json: batches, plain tokens/s, per method `_record`;
          name -> `ServedResult` of each method, for the caller's lossless and τ checks).
     """
-    plain = serve_with_vllm(job)
+    most = max((int(_spec_of(e, sp)["num_speculative_tokens"]) for e, sp in methods.values()), default=0)
+    plain = serve_with_vllm(dataclasses.replace(job, probe_positions=most + 1 if methods else 0))
     first = job.batches[0]
     same = sum(a == b for a, b in zip(plain.tokens_by_batch[first], greedy))
     out: dict[str, Any] = {
@@ -79,7 +82,86 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
         runs[name] = serve_with_vllm(job, export, spec)
         out["methods"][name] = _record(job, runs[name], plain)
         log.info("served %s: speedup %s", name, out["methods"][name]["speedup"])
+    if plain.probe:
+        out["choice"] = choose_and_serve(job, methods, plain, runs)
     return out, runs
+
+
+# How a proposer's drafting pass scales with the drafts k it is asked for (vLLM's method names), read from vLLM
+# 0.32's code: DFlash drafts in one pass of k+1 queries (the bonus token and k masks; v1/spec_decode/dflash.py,
+# any k >= 1 is accepted, the block size is never checked): "block", (k+1)/(K+1) of the measured pass; EAGLE-3
+# runs one pass per draft: "chain", k/K; n-gram lookup searches the prompt: "free".
+DRAFTING = {"dflash": "block", "eagle3": "chain", "eagle": "chain", "ngram": "free"}
+
+
+def _spec_of(export: Path | None, spec: dict[str, Any] | None) -> dict[str, Any]:
+    from draftflow.vllm_serve import speculative_config
+
+    return spec if spec is not None else speculative_config(export)
+
+
+def proposers_at(batch: int, job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] | None]],
+                 plain, runs: dict[str, Any], verify: dict[int, float]) -> list[serve_choice.Proposer]:
+    """Each measured method as a `Proposer` at `batch`: its acceptance by position (vLLM's counters), and its
+    drafting pass's cost, the rest of its measured speculative step once verification is taken out."""
+    out = []
+    for name, (export, spec) in methods.items():
+        run, sc = runs[name], _spec_of(export, spec)
+        K, how = int(sc["num_speculative_tokens"]), DRAFTING.get(sc["method"], "chain")
+        tokens = sum(map(len, run.tokens_by_batch.get(job.batches[0], [])))
+        share = min(1.0, run.drafts / max(1, tokens - run.accepted)) if how == "free" else 1.0
+        step = serve_choice.spec_step_seconds(batch, run.tau, run.tok_s.get(batch))
+        if step is None or K not in verify or not run.acceptance_rate:
+            continue
+        # per drafted step: a drafter drafts every step; n-gram lookup's plain steps are taken out first
+        drafted = (step - (1 - share) * plain_step(plain, batch)) / share if share > 0 else step
+        full = max(0.0, drafted - verify[K])
+        out.append(serve_choice.Proposer(_label(sc), list(run.acceptance_rate[:K]),
+                                         serve_choice.drafting_costs(full, K, how), share))
+    return out
+
+
+def plain_step(plain, batch: int) -> float:
+    """Seconds of one plain decoding step of `batch` sequences, from plain vLLM's tokens/s."""
+    return batch / plain.tok_s[batch]
+
+
+def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] | None]], plain,
+                     runs: dict[str, Any]) -> dict[str, Any]:
+    """Per batch size: the setting predicted fastest (`serve_choice.choose`) from the costs measured here,
+    then that setting served and measured (settings already measured are not served twice)."""
+    from draftflow.vllm_serve import with_drafts
+
+    choices: dict[int, serve_choice.Choice] = {}
+    for b in job.batches:
+        verify = serve_choice.verify_from_probe(plain_step(plain, b), plain.probe[b])
+        choices[b] = serve_choice.choose(proposers_at(b, job, methods, plain, runs, verify),
+                                         serve_choice.Costs(plain_step(plain, b), verify))
+    measured: dict[str, Any] = {}
+    for c in choices.values():
+        if c.setting == "plain" or c.setting in measured:
+            continue
+        name = next(n for n, (e, sp) in methods.items() if _label(_spec_of(e, sp)) == c.proposer)
+        export, spec = methods[name]
+        sc = _spec_of(export, spec)
+        if c.drafts == int(sc["num_speculative_tokens"]):
+            measured[c.setting] = runs[name]
+        else:
+            measured[c.setting] = serve_with_vllm(job, export, with_drafts(sc, c.drafts))
+        log.info("served the chosen %s: tokens/s %s", c.setting, measured[c.setting].tok_s)
+    out = {}
+    for b, c in choices.items():
+        run = measured.get(c.setting)
+        speed = 1.0 if run is None else run.tok_s[b] / plain.tok_s[b]
+        lossless = True if run is None else run.tokens_by_batch[b] == plain.tokens_by_batch[b]
+        out[str(b)] = {"setting": c.setting, "predicted": c.predicted, "measured": speed, "lossless": lossless,
+                       "best_speculative": c.best_speculative, "best_predicted": c.best_predicted,
+                       "table": c.table}
+    return out
+
+
+def _label(sc: dict[str, Any]) -> str:
+    return "ngram" if DRAFTING.get(sc["method"]) == "free" else sc["method"]
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:
@@ -112,6 +194,28 @@ def render(served: dict[str, Any] | None, draftflow_tau: dict[str, float | None]
               "|---" * (1 + len(_categories(served))) + "|"]
     for name, m in served["methods"].items():
         lines.append(f"| {name} | " + " | ".join(_f(m["tau_per_category"].get(c)) for c in _categories(served)) + " |")
+    return lines + render_choice(served.get("choice"))
+
+
+def render_choice(choice: dict[str, Any] | None) -> list[str]:
+    """The report.md section on the serve settings chosen from measured costs (`choose_and_serve`)."""
+    if not choice:
+        return []
+    lines = ["", "## Serve settings chosen from measured step costs", "",
+             "Predicted = tau(k) x plain step / (verify k drafts + drafting), each cost measured in vLLM here; the "
+             "chosen setting was then served and measured.", "",
+             "| batch | chosen | predicted | measured | lossless | best speculative (predicted) |",
+             "|---|---|---|---|---|---|"]
+    for b, c in choice.items():
+        lines.append(f"| {b} | {c['setting']} | x{c['predicted']:.2f} | x{c['measured']:.2f} | "
+                     f"{'yes' if c['lossless'] else 'NO'} | {c['best_speculative']} (x{c['best_predicted']:.2f}) |")
+    settings = sorted({s for c in choice.values() for s in c["table"]})
+    lines += ["", "| setting | tau | " + " | ".join(f"predicted b{b}" for b in choice) + " |",
+              "|---" * (2 + len(choice)) + "|"]
+    for name in settings:
+        tau = next(c["table"][name]["tau"] for c in choice.values() if name in c["table"])
+        cells = " | ".join(_f((c["table"].get(name) or {}).get("predicted"), ".2f") for c in choice.values())
+        lines.append(f"| {name} | {tau:.3f} | {cells} |")
     return lines
 
 

@@ -133,6 +133,9 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
              f"- mean acceptance length **τ = {_tau(stats['tau'])}** over {stats['steps']} steps, "
              f"{stats['prompts']} prompts, {stats['tokens']} tokens (lossless: yes)",
              f"- {_drafting(cfg)}, max new tokens {cfg.evaluate.max_new_tokens}",
+             *([f"- training's held-out estimate (teacher-forced, held-out training sequences): τ "
+                f"{_tau(stats['heldout_tau'])}, {stats['heldout_tau'] / stats['tau']:.2f}x the decoded τ here"]
+               if stats.get("heldout_tau") and stats.get("tau") else []),
              *([f"- target: {stats['target']}"] if stats.get("target") else []), "",
              "| k | P(at least k drafts accepted) |", "|---|---|"]
     lines += [f"| {k} | {r:.3f} |" for k, r in enumerate(stats["acceptance_rate"] or [], 1)]
@@ -198,6 +201,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     stats = evaluate_prompts(model, drafter, prompts, cfg.evaluate, eos, rounding)
     phases.done("decode")
     stats["target"] = described_target(cfg.target.path, target.path)  # a GGUF target: which weights (else None)
+    stats["heldout_tau"] = (trained.manifest.extra.get("metrics") or {}).get("heldout_tau")  # training's estimate
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     phases.done("baselines")
