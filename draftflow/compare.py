@@ -162,19 +162,37 @@ def baselines(per: list[Figures]) -> dict[str, float]:
     return out
 
 
-def rehearsal_line(report: dict[str, Any]) -> str | None:
-    """`rehearsal <kind>: tau T vllm_tau V prompt_lookup_tau P speedup_b1 X speedup_b8 Y` (scripts read it),
-    for a report with a served-speedup record; "nan" for a figure it lacks."""
-    methods = (report.get("served") or {}).get("methods") or {}
-    kinds = [m for m in methods if m != "prompt_lookup"]
+def rehearsal_line(report: dict[str, Any], paper: dict[str, Any] | None = None) -> str | None:
+    """`rehearsal <kind>: tau T paper_tau P vllm_tau V prompt_lookup_tau L serve_b1 S predicted_b1 X speedup_b1 Y
+    serve_b8 S speedup_b8 Y` (scripts read it) for a report with a served-speedup record: `paper` is the paper
+    recipe's report of the same kind on the same prompts; each serve setting is the one chosen from measured
+    costs at that batch size and its speedup is measured against plain decoding; "nan" for what is missing."""
+    served = report.get("served") or {}
+    kinds = [m for m in served.get("methods") or {} if m != "prompt_lookup"]
     if not kinds:
         return None
-    speed = methods[kinds[0]].get("speedup") or {}
-    figs = figures(report)
-    lookup = figs.get("tau baseline prompt_lookup")
-    cells = [("tau", figs["tau"]), ("vllm_tau", figs.get("tau vllm")), ("prompt_lookup_tau", lookup),
-             ("speedup_b1", _num(speed.get("1"))), ("speedup_b8", _num(speed.get("8")))]
-    return f"rehearsal {kinds[0]}: " + " ".join(f"{k} {'nan' if v is None else f'{v:.3f}'}" for k, v in cells)
+    figs, choice = figures(report), served.get("choice") or {}
+    cells: list[tuple[str, Any]] = [
+        ("tau", figs["tau"]), ("paper_tau", _num((paper or {}).get("tau"))), ("vllm_tau", figs.get("tau vllm")),
+        ("prompt_lookup_tau", figs.get("tau baseline prompt_lookup"))]
+    for b in ("1", "8"):
+        c = choice.get(b) or {}
+        cells.append((f"serve_b{b}", c.get("setting", "nan")))
+        if b == "1":
+            cells.append(("predicted_b1", _num(c.get("predicted"))))
+        cells.append((f"speedup_b{b}", _num(c.get("measured"))))
+    text = " ".join(f"{k} {v if isinstance(v, str) else ('nan' if v is None else f'{v:.3f}')}" for k, v in cells)
+    return f"rehearsal {report.get('kind') or kinds[0]}: {text}"
+
+
+def paper_report(e: Evaluation, evs: list[Evaluation]) -> dict[str, Any] | None:
+    """The paper recipe's evaluation of `e`'s drafter kind among `evs` (same prompts), for `e` under recipe
+    draftflow; None otherwise."""
+    kind = e.report.get("kind")
+    if e.report.get("recipe", "draftflow") == "paper" or kind is None:
+        return None
+    return next((o.report for o in evs if o.report.get("recipe") == "paper" and o.report.get("kind") == kind
+                 and o.report.get("prompt_set") == e.report.get("prompt_set")), None)
 
 
 def compare(runs: list[str], png: str | None = None, lines: bool = False, overrides: list[str] | None = None) -> str:
@@ -193,7 +211,7 @@ def compare(runs: list[str], png: str | None = None, lines: bool = False, overri
             e.label = f"{e.label}#{seen[e.label]}"
     text = table(evs)
     if lines:  # one machine-readable line per evaluation that measured a served speedup
-        text += "".join(f"\n{line}" for e in evs if (line := rehearsal_line(e.report)))
+        text += "".join(f"\n{line}" for e in evs if (line := rehearsal_line(e.report, paper_report(e, evs))))
     if png:
         text += f"\nplot: {plot(evs, png)}"
     return text

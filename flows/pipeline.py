@@ -65,7 +65,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype,  # format -> line
-                             cfg.regenerate.vllm),
+                             cfg.regenerate.vllm, report.get("serve_choice")),
         "report": f"{evaluated.path}/{report['report']}",
     }
 

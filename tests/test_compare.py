@@ -113,21 +113,27 @@ def test_compare_cli_answers_without_torch_or_prefect(tmp_path):
     assert got == {"rc": 2, "heavy": []} and proc.stderr.count("\n") == 1 and "no evaluation at" in proc.stderr
 
 
-SERVED = {"batches": [1, 8], "methods": {
+CHOICE = {"1": {"setting": "dflash:k=2", "predicted": 1.55, "measured": 1.5},
+          "8": {"setting": "plain", "predicted": 1.0, "measured": 1.0}}
+SERVED = {"batches": [1, 8], "choice": CHOICE, "methods": {
     "dflash": {"speedup": {"1": 1.62, "8": 1.08}, "tau": 2.4},
     "prompt_lookup": {"speedup": {"1": 1.1, "8": 0.97}, "tau": 1.3}}}
 
 
-def test_rehearsal_line_reads_the_served_speedup_and_vllms_tau(tmp_path):
+def test_rehearsal_line_pairs_the_recipes_and_reads_the_chosen_settings(tmp_path):
     from draftflow.compare import rehearsal_line
 
-    report = NEW | {"vllm": {"vllm": {"tau": 2.71}, "speculators": {"tau": 2.7}}, "served": SERVED}
-    line = rehearsal_line(report)
-    assert line == ("rehearsal dflash: tau 2.750 vllm_tau 2.710 prompt_lookup_tau 1.400 speedup_b1 1.620 "
-                    "speedup_b8 1.080")
+    report = NEW | {"vllm": {"vllm": {"tau": 2.71}, "speculators": {"tau": 2.7}}, "served": SERVED,
+                    "kind": "dflash", "recipe": "draftflow", "prompt_set": "p"}
+    paper = NEW | {"tau": 2.2, "kind": "dflash", "recipe": "paper", "prompt_set": "p"}
+    line = rehearsal_line(report, paper)
+    assert line == ("rehearsal dflash: tau 2.750 paper_tau 2.200 vllm_tau 2.710 prompt_lookup_tau 1.400 "
+                    "serve_b1 dflash:k=2 predicted_b1 1.550 speedup_b1 1.500 serve_b8 plain speedup_b8 1.000")
     words = line.split()
-    assert dict(zip(words[2::2], map(float, words[3::2])))["speedup_b1"] == 1.62  # as scripts read it
+    assert dict(zip(words[2::2], words[3::2]))["serve_b8"] == "plain"  # as scripts read it
     assert rehearsal_line(NEW) is None  # no served record: no line
+    assert "paper_tau nan" in rehearsal_line(report)
     assert figures(report)["speedup served b8 prompt_lookup"] == 0.97 and figures(report)["tau vllm"] == 2.71
-    text = compare([write(tmp_path / "r" / "report.json", report)], lines=True)
-    assert text.splitlines()[-1] == line
+    text = compare([write(tmp_path / "r" / "report.json", report), write(tmp_path / "p" / "report.json", paper)],
+                   lines=True)
+    assert text.splitlines()[-1] == line  # one line, for the draftflow recipe's evaluation, with its paper pair

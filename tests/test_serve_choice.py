@@ -78,3 +78,25 @@ def test_drafting_costs_scale_as_each_proposer_drafts():
     assert sc.drafting_costs(0.07, 7, "chain")[3] == pytest.approx(0.03)
     assert set(sc.drafting_costs(0.07, 3, "free").values()) == {0.0}
     assert sc.spec_step_seconds(8, 1.5, 60.0) == pytest.approx(0.2) and sc.spec_step_seconds(1, None, 5.0) is None
+
+
+def test_the_serve_line_carries_the_choice_or_says_to_serve_without_speculation():
+    line = "vllm serve t --speculative-config '{...}'"
+    plain = {"1": {"setting": "plain", "predicted": 1.0, "best_speculative": "dflash:k=1", "best_predicted": 0.83},
+             "8": {"setting": "plain", "predicted": 1.0, "best_speculative": "dflash:k=1", "best_predicted": 0.41}}
+    said = sc.advice_line(plain, line)
+    assert said.startswith("on this hardware serve without speculation: best drafter setting dflash:k=1 x0.83 at "
+                           "batch 1, best drafter setting dflash:k=1 x0.41 at batch 8; to serve the drafter anyway: ")
+    assert said.endswith(line)
+    mixed = {"1": {"setting": "dflash:k=3", "predicted": 1.4}, "8": {"setting": "plain", "predicted": 1.0}}
+    assert sc.advice_line(mixed, line) == f"{line}  # chosen from measured costs: batch 1 dflash:k=3 x1.40, " \
+        "batch 8 plain decoding x1.00"
+    assert sc.advice_line(None, line) == line
+
+
+def test_serve_lines_carry_batch_ones_chosen_drafts():
+    from draftflow.stages.train import _chosen_drafts
+
+    assert _chosen_drafts({"1": {"setting": "dflash:k=3"}}, 7) == 3
+    assert _chosen_drafts({"1": {"setting": "ngram:k=4"}}, 7) == 7  # not the drafter's
+    assert _chosen_drafts({"1": {"setting": "plain"}}, 7) == 7 and _chosen_drafts(None, 7) == 7

@@ -202,6 +202,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     phases.done("decode")
     stats["target"] = described_target(cfg.target.path, target.path)  # a GGUF target: which weights (else None)
     stats["heldout_tau"] = (trained.manifest.extra.get("metrics") or {}).get("heldout_tau")  # training's estimate
+    stats["recipe"], stats["kind"] = cfg.train.recipe, cfg.drafter.kind  # the rehearsal pairs recipes by kind
     log.info("tau %.3f over %d steps (%d prompts)", stats["tau"], stats["steps"], stats["prompts"])
     add_comparisons(model, drafter, stats, prompts, categories, cfg.evaluate, eos, rounding)  # + baselines, speedup
     phases.done("baselines")
@@ -239,8 +240,16 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     extra = {"tau": stats["tau"], "acceptance_rate": stats["acceptance_rate"],
              **({"vllm_tau": {f: r["tau"] for f, r in stats["vllm"].items()}} if stats.get("vllm") else {}),
              "report": "report.md", "evaluation": headline(stats),  # paths relative to the stage folder
-             "ddtree": ddtree_taus(stats["ddtree"])}
+             "ddtree": ddtree_taus(stats["ddtree"]),
+             **({"serve_choice": serve_choice_summary(stats["served"]["choice"])}
+                if (stats.get("served") or {}).get("choice") else {})}
     return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
+
+
+def serve_choice_summary(choice: dict[str, Any]) -> dict[str, Any]:
+    """Per batch size, the setting chosen from measured costs and its figures (for the serve line and `status`)."""
+    keep = ("setting", "predicted", "measured", "best_speculative", "best_predicted")
+    return {b: {k: c[k] for k in keep} for b, c in choice.items()}
 
 
 def _export_folders(store: Store, trained: StageResult, into: Path) -> dict[str, Path]:

@@ -193,23 +193,33 @@ def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_
 
 
 def serve_lines(store: Store, trained: Manifest, target: str, dtype: str = "auto",
-                vcfg: VLLMEngineConfig | None = None) -> dict[str, str]:
+                vcfg: VLLMEngineConfig | None = None, choice: dict[str, Any] | None = None) -> dict[str, str]:
     """Per export format of a complete train stage, the line that serves its export where the store holds
     it, with the target as this machine loaded it (`target`), the dtype vLLM measured it in and, where
     draftflow's engines run eagerly (`vcfg`, e.g. on a CPU build), `--enforce-eager`, through an interpreter
     that imports vLLM (`vllm_python`), so the line runs here as printed and as evaluate measured it.
-    Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's."""
+    Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's.
+
+    `choice`: evaluate's serve settings chosen from measured costs (`serve_choice` of its manifest): the lines
+    carry batch 1's number of drafts, or say plainly to serve without speculation when plain decoding won."""
     from draftflow.engines.vllm import eager_mode, stored_dtype
+    from draftflow.evaluation.serve_choice import advice_line
 
     eager = eager_mode(vcfg or VLLMEngineConfig())
-
     lines = {}
     for fmt, rel in trained.extra.get("export", {}).items():
         folder = store.stage_path(STAGE, trained.fingerprint, rel)
-        config = store.read_json(f"{folder}/config.json")
-        lines[fmt] = serve_command(target, store.url(folder), *speculative_settings(config),
-                                   dtype=stored_dtype(target, dtype), python=vllm_python(), eager=eager)
+        method, drafts = speculative_settings(store.read_json(f"{folder}/config.json"))
+        line = serve_command(target, store.url(folder), method, _chosen_drafts(choice, drafts),
+                             dtype=stored_dtype(target, dtype), python=vllm_python(), eager=eager)
+        lines[fmt] = advice_line(choice, line)
     return lines
+
+
+def _chosen_drafts(choice: dict[str, Any] | None, drafts: int) -> int:
+    """Batch 1's chosen number of drafts when it is the drafter's, else the export's own."""
+    setting = ((choice or {}).get("1") or {}).get("setting", "")
+    return int(setting.rsplit("=", 1)[1]) if ":k=" in setting and not setting.startswith("ngram") else drafts
 
 
 def vllm_python() -> str:

@@ -90,10 +90,11 @@ class DFlashObjective:
         self.loss_tokens: torch.Tensor | None = None
 
     def _blocks(self, sample: FeatureSample, gen: torch.Generator) -> BlockBatch | None:
-        final = None
+        n, final = self.cfg.num_taps, None
         if self.cfg.stores_final:  # features: the taps, then the target's final state (soft labels' source)
-            final = sample.hidden[:, -1]
-            sample = FeatureSample(sample.sample_id, sample.input_ids, sample.loss_mask, sample.hidden[:, :-1])
+            final = sample.hidden[:, n]
+        if sample.hidden.shape[1] > n:  # the final state is not a context feature
+            sample = FeatureSample(sample.sample_id, sample.input_ids, sample.loss_mask, sample.hidden[:, :n])
         b = build_training_batch(sample, self.B, self.tcfg.num_anchors, gen, self.cfg.mask_token_id)
         if b is not None and final is not None:
             b.final = final[None]

@@ -1,0 +1,115 @@
+"""The recipe ablation: each objective option alone and combined, on the same features, steps and wall time.
+
+Reads a run root whose extract stage holds the target's final state (a config with `drafter.distill_top_k` set,
+e.g. `configs/smollm2.yaml`), then trains one drafter per variant in this process from the same stored
+features and held-out sequences, and prints per variant its held-out acceptance (teacher-forced, on
+sequences no variant trains on: `draftflow.training.heldout`) at the last step and at its best step, the
+steps it ran and its wall time, with the ratio to the paper recipe measured in the same run:
+
+    python -m benchmarks.recipe_ablation configs/smollm2.yaml [--set train.max_steps=300 ...] [--kinds dflash]
+
+Variants: paper (the papers' recipe exactly), +init (the target's last layers as the start), +distill (soft
+labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations. Every variant runs
+the same steps; its wall time is printed beside it (soft labels add one LM-head pass a step). A measurement, not
+a test: the figures are this
+machine's, and README "Recipes" records a dated run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from typing import Any
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "paper": {"recipe": "paper"},
+    "+init": {"recipe": "paper", "init_from_target": True},
+    "+distill": {"recipe": "paper", "distill_top_k": 8},
+    "+acceptance": {"recipe": "paper", "acceptance_loss": True},
+    "+init +distill": {"recipe": "paper", "init_from_target": True, "distill_top_k": 8},
+    "+init +acceptance": {"recipe": "paper", "init_from_target": True, "acceptance_loss": True},
+    "+init +distill +acceptance": {"recipe": "paper", "init_from_target": True, "distill_top_k": 8,
+                                   "acceptance_loss": True},
+}
+
+
+def variant_config(cfg, kind: str, options: dict[str, Any]):
+    """The run config of one variant: the drafter's objective options and the train settings, held-out
+    measurement on for every variant (keep: last, so `best` below is what keep: best would export)."""
+    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss")}
+    train = {k: v for k, v in options.items() if k not in drafter}
+    if kind == "eagle3" and "distill_top_k" in drafter:  # EAGLE-3's paper labels are already soft
+        drafter["distill_top_k"] = 0 if options.get("distill_top_k") is None else drafter["distill_top_k"]
+    data = cfg.model_dump(mode="json")
+    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | drafter
+    data["train"] |= {"init_from_target": None, "keep": None, "eval_every": None} | train
+    data["train"] |= {"eval_every": data["train"]["eval_every"] if data["train"]["eval_every"] not in (None, "off")
+                      else "auto", "keep": "last"}
+    from draftflow.config import RunConfig
+
+    return RunConfig.model_validate(data)
+
+
+def train_variant(store, cfg, target, features) -> dict[str, Any]:
+    from draftflow.feature_stream import open_features
+    from draftflow.target import load_target
+    from draftflow.training.job import drafter_config, loss_tokens
+    from draftflow.training.loop import Vocab, train_drafter
+
+    model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
+    dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
+    source = open_features(store, "extract", features.fingerprint, features.shards)  # taps (+ the final state)
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        m = train_drafter(source, model, dcfg, cfg.train, out, resume=False,
+                          vocab=Vocab(vocab, loss_tokens(store, cfg, features)))
+        took = time.perf_counter() - start
+    history = m.get("heldout") or []
+    best = max(history, key=lambda h: h["tau"] or 0.0) if history else {}
+    return {"last_tau": history[-1]["tau"] if history else None, "best_tau": best.get("tau"),
+            "best_step": best.get("step"), "steps": m["steps"], "seconds": round(took, 1),
+            "acceptance_at_best": best.get("acceptance")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("--set", dest="overrides", action="append", default=[])
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args()
+    from draftflow.config import load_config
+    from draftflow.contracts import StoredFeatures
+    from draftflow.runstate import stage_states
+    from draftflow.store import Store
+    from draftflow.target import resolve_target
+
+    base = load_config(args.config, args.overrides)
+    store, target = Store(base.root), resolve_target(base.target)
+    manifest = stage_states(base, target.fingerprint)[1].get("extract")
+    if manifest is None:
+        raise SystemExit(f"no complete extract stage for {args.config} in {base.root}: run it first "
+                         "(draftflow run CONFIG --set ... stops nowhere earlier; its train stage may be cut short)")
+    features = StoredFeatures(fingerprint=manifest.fingerprint, shards=manifest.data_shards("train"))
+    rows = {}
+    for name in args.variants.split(","):
+        cfg = variant_config(base, base.drafter.kind, VARIANTS[name])
+        rows[name] = train_variant(store, cfg, target, features)
+        print(f"{name}: {json.dumps(rows[name])}", flush=True)
+    paper = (rows.get("paper") or {}).get("best_tau")
+    print(f"\n| variant ({base.drafter.kind}) | held-out tau, last | best | at step | steps | seconds "
+          "| x paper (best) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        ratio = f"x{r['best_tau'] / paper:.3f}" if paper and r["best_tau"] else "-"
+        print(f"| {name} | {r['last_tau']:.4f} | {r['best_tau']:.4f} | {r['best_step']} | {r['steps']} | "
+              f"{r['seconds']} | {ratio} |")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
