@@ -174,3 +174,38 @@ def test_soft_labels_and_acceptance_change_the_loss_but_not_the_paper_recipe(tar
             assert losses[name].weighted_sum == dflash_loss(logits, b.labels, B, obj.gamma).weighted_sum
     assert len({round(float(s.weighted_sum.detach()), 5) for s in losses.values()}) == 3
     assert all(torch.equal(s.leading, losses["paper"].leading) for s in losses.values())  # same drafts, same hits
+
+
+def test_the_metrics_files_hold_the_held_out_history(tmp_path):
+    from draftflow.training.metrics import HELDOUT_PNG, METRICS_DIR, SUMMARY_JSON, metrics_table, write_metrics
+
+    history = [{"step": 10, "tau": 1.2, "acceptance": [0.2, 0.0]}, {"step": 20, "tau": 1.3, "acceptance": [0.25, 0.05]}]
+    metrics = {"loss": 1.0, "steps": 20, "accuracy": [0.3, 0.1], "heldout": history, "heldout_tau": 1.3,
+               "kept_step": 20}
+    files = write_metrics(tmp_path, metrics, history=[1.0] * 20)
+    assert f"{METRICS_DIR}/{HELDOUT_PNG}" in files
+    import json
+
+    assert json.loads((tmp_path / METRICS_DIR / SUMMARY_JSON).read_text())["final"]["heldout"] == history
+    events = (tmp_path / METRICS_DIR / "tensorboard").glob("*tfevents*")
+    assert b"heldout/tau" in next(events).read_bytes()
+    assert {"metric": "heldout_tau", "value": 1.3} in metrics_table(metrics)
+    md = heldout.markdown(history, kept_step=20)
+    assert "| 20 (kept) | 1.3000 | 0.250 | 0.050 |" in md and "<- best" in md
+
+
+def test_an_objective_option_a_kind_does_not_take_is_one_line(monkeypatch):
+    import dataclasses
+
+    from draftflow.drafters import taps
+    from draftflow.errors import ConfigError
+
+    bare = dataclasses.replace(taps.TAP_RULES["dflash"], objective_options=())
+    monkeypatch.setitem(taps.TAP_RULES, "dflash", bare)
+    with pytest.raises(ConfigError, match=r"^drafter.acceptance_loss=True: drafter.kind=dflash does not train with "
+                       r"it \(its objective takes none\); unset it$"):
+        taps.check_drafter(DrafterConfig(acceptance_loss=True))
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match=r"^drafter.distill_top_k=64 is more than EAGLE-3 scores"):
+        taps.check_drafter(DrafterConfig(kind="eagle3", num_layers=1, draft_vocab_size=32, distill_top_k=64))
+    taps.check_drafter(DrafterConfig(acceptance_loss=True, distill_top_k=8))  # both kinds take both

@@ -24,6 +24,8 @@ class DataRule:
         stores_final: feature shards also hold `layers.FINAL` (the target's final normed state).
         min_supervised: (section) -> the fewest supervised tokens a training sequence needs (tokenize drops
             shorter ones; `tokenize.min_supervised_tokens` overrides it).
+        objective_options: the objective options of the `drafter` section its objective implements; another one
+            set (truthy) is a one-line error at preflight.
     """
 
     kind: str
@@ -31,3 +33,4 @@ class DataRule:
     taps: Callable[[DrafterConfig, int], list[int]]
     stores_final: bool
     min_supervised: Callable[[DrafterConfig], int]
+    objective_options: tuple[str, ...] = ("distill_top_k", "acceptance_loss")  # the `drafter` options it trains by

@@ -52,6 +52,11 @@ def tap_rule(kind: str) -> DataRule:
 def check_drafter(drafter: DrafterConfig) -> DataRule:
     """The `drafter` section's target-free checks (kind, tap count, layer types, …); returns its tap rule."""
     rule = tap_rule(drafter.kind)
+    for option in ("distill_top_k", "acceptance_loss"):
+        if getattr(drafter, option) and option not in rule.objective_options:
+            raise ConfigError(f"drafter.{option}={getattr(drafter, option)!r}: drafter.kind={drafter.kind} does not "
+                              f"train with it (its objective takes {', '.join(rule.objective_options) or 'none'}); "
+                              "unset it")
     rule.check(drafter)
     return rule
 

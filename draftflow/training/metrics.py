@@ -35,6 +35,7 @@ TB_EVENTS = "events.out.tfevents.draftflow"  # fixed: no time, host or pid in a 
 SUMMARY_JSON = "training_metrics.json"
 LOSS_PNG = "loss.png"
 ACCURACY_PNG = "accuracy.png"
+HELDOUT_PNG = "heldout_tau.png"
 SMOOTH = 20  # steps in the moving average drawn over the raw loss
 
 
@@ -80,6 +81,8 @@ def write_metrics(out_dir: str | Path, metrics: dict[str, Any], history: list[fl
     (folder / SUMMARY_JSON).write_text(json.dumps(summary, indent=2))
     plot_loss(folder / LOSS_PNG, history)
     plot_accuracy(folder / ACCURACY_PNG, list(metrics.get("accuracy") or []))
+    if metrics.get("heldout"):
+        plot_heldout(folder / HELDOUT_PNG, metrics["heldout"], metrics.get("kept_step"))
     return sorted(str(p.relative_to(out_dir)) for p in folder.rglob("*") if p.is_file())
 
 
@@ -108,6 +111,11 @@ def write_tensorboard(log_dir: Path, metrics: dict[str, Any], history: list[floa
         scalar(f"final/{key}", value, step)
     for k, acc in enumerate(metrics.get("accuracy") or [], start=1):
         scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
+    for h in metrics.get("heldout") or []:  # held-out acceptance while training (`train.eval_every`)
+        if h.get("tau") is not None:
+            scalar("heldout/tau", float(h["tau"]), int(h["step"]))
+            for k, a in enumerate(h.get("acceptance") or [], start=1):
+                scalar(f"heldout/accept_{k}", float(a), int(h["step"]))
     shutil.rmtree(log_dir, ignore_errors=True)  # a re-run replaces the events, never appends a second file
     log_dir.mkdir(parents=True)
     with open(log_dir / TB_EVENTS, "wb") as fh:
@@ -152,6 +160,21 @@ def plot_accuracy(path: Path, accuracy: list[float]) -> None:
     ax.plot(range(1, len(accuracy) + 1), accuracy, marker="o")
     ax.set(xlabel="block position k (predicts token anchor+k)", ylabel="accuracy", ylim=(0, 1),
            title="Per-position accuracy (last steps)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def plot_heldout(path: Path, history: list[dict[str, Any]], kept_step: int | None) -> None:
+    """Held-out τ against the step (`train.eval_every`), the kept step marked."""
+    fig, ax = _figure()
+    points = [(h["step"], h["tau"]) for h in history if h.get("tau") is not None]
+    if points:
+        ax.plot(*zip(*points), marker="o", label="held-out tau (teacher-forced)")
+        kept = [(s, t) for s, t in points if s == kept_step]
+        if kept:
+            ax.plot(*zip(*kept), marker="*", markersize=14, linestyle="none", label=f"kept (step {kept_step})")
+        ax.legend()
+    ax.set(xlabel="optimizer step", ylabel="tau", title="Held-out acceptance while training")
     fig.tight_layout()
     fig.savefig(path)
 

@@ -22,6 +22,10 @@ def _check(drafter: DrafterConfig) -> None:
     if drafter.target_layer_ids is not None:
         check_eagle3_count(drafter.target_layer_ids)
     check_one_layer(drafter)
+    if drafter.distill_top_k and drafter.distill_top_k > drafter.draft_vocab_size:
+        raise ConfigError(f"drafter.distill_top_k={drafter.distill_top_k} is more than EAGLE-3 scores: its soft "
+                          f"labels come from the draft vocabulary (drafter.draft_vocab_size={drafter.draft_vocab_size})"
+                          "; lower distill_top_k or unset it for the whole distribution")
 
 
 RULE = DataRule(
