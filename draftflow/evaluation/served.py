@@ -16,7 +16,6 @@ a CPU); the figures are this machine's under its current load and are not finger
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -55,6 +54,8 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
     """Plain decoding, then every method, in vLLM on the same prompts.
 
     Args:
+        job: with `probe_positions` (the most drafts any method serves, plus one), plain decoding's engine also
+            measures what verifying costs, and the serve setting is chosen and served (`choose_and_serve`).
         methods: name -> (export folder, None) or (None, speculative_config); decoded in this order.
         greedy: draftflow's own greedy outputs of the same prompts (how many plain vLLM matches is reported).
 
@@ -62,8 +63,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
         (the `served` record of report.json: batches, plain tokens/s, per method `_record`;
          name -> `ServedResult` of each method, for the caller's lossless and τ checks).
     """
-    most = max((int(_spec_of(e, sp)["num_speculative_tokens"]) for e, sp in methods.values()), default=0)
-    plain = serve_with_vllm(dataclasses.replace(job, probe_positions=most + 1 if methods else 0))
+    plain = serve_with_vllm(job)  # with `job.probe_positions`, it also probes the cost of verifying
     first = job.batches[0]
     same = sum(a == b for a, b in zip(plain.tokens_by_batch[first], greedy))
     out: dict[str, Any] = {

@@ -301,7 +301,7 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: Stag
             drafts = speculative_config(folders["vllm"])["num_speculative_tokens"]
             methods = {cfg.drafter.kind: (folders["vllm"], None)}
             methods |= {name: (None, prompt_lookup_config(drafts)) for name in cfg.evaluate.served_baselines}
-            timed = dataclasses.replace(job, batches=tuple(cfg.evaluate.served_batches))
+            timed = dataclasses.replace(job, batches=tuple(cfg.evaluate.served_batches), probe_positions=drafts + 1)
             record, timed_runs = served_speed.measure(timed, methods, outputs)
             runs["vllm"] = timed_runs[cfg.drafter.kind]
         for fmt, folder in folders.items():
