@@ -49,14 +49,16 @@ demo: $(STAMP)
 	$(BIN)/draftflow run configs/tiny.yaml
 
 # The real-target rehearsal: SmolLM2-135M-Instruct from its pip-installed GGUF (converted once), a DFlash then an
-# EAGLE-3 drafter in one root, both served and timed in vLLM's CPU build (.venv-vllm); ends with one line per
-# drafter: `rehearsal <kind>: tau .. vllm_tau .. prompt_lookup_tau .. speedup_b1 .. speedup_b8 ..`.
+# EAGLE-3 drafter in one root, each by draftflow's recipe (served and timed in vLLM's CPU build, .venv-vllm, with
+# the serve setting chosen from measured costs) and by the papers' recipe (same data, same steps); ends with one
+# line per kind: `rehearsal <kind>: tau .. paper_tau .. vllm_tau .. prompt_lookup_tau .. serve_b1 <setting>
+# predicted_b1 .. speedup_b1 .. serve_b8 <setting> speedup_b8 ..`.
 # Scale it with SET, e.g. make rehearsal SET="--set train.max_steps=3000 --set curate.sources.0.count=2000".
 SET ?=
+REHEARSAL := configs/smollm2.yaml configs/smollm2-paper.yaml configs/smollm2-eagle3.yaml configs/smollm2-eagle3-paper.yaml
 rehearsal: $(VSTAMP)
-	$(VBIN)/draftflow run configs/smollm2.yaml $(SET)
-	$(VBIN)/draftflow run configs/smollm2-eagle3.yaml $(SET)
-	$(VBIN)/draftflow compare configs/smollm2.yaml configs/smollm2-eagle3.yaml --lines $(SET)
+	for c in $(REHEARSAL); do $(VBIN)/draftflow run $$c $(SET) || exit 1; done
+	$(VBIN)/draftflow compare $(REHEARSAL) --lines $(SET)
 
 # The full suite (vLLM's tests and the reliability suite are their own legs).
 test: $(STAMP)
