@@ -92,14 +92,18 @@ def measure(drafter, objective, heldout: Subset, device: torch.device, env: Dist
     mine = env.share(list(range(len(heldout))))
     batches = [objective.heldout_batch(s, j) for j, s in zip(mine, heldout.take(mine), strict=True)]
     batches = [b for b in batches if b is not None]
+    passes = len(batches)
+    if is_fsdp(drafter):  # every rank runs as many forwards (each gathers the shards): agree first, then pad
+        passes = all_reduce_max(len(batches), env)
+        if passes > len(batches):
+            spare = batches[:1] or [b for j in range(len(heldout)) if (b := objective.heldout_batch(heldout[j], j))]
+            batches += [None] * (passes - len(batches))
     for b in batches:
+        if b is None:  # a padding pass: its result is not counted
+            objective.loss(drafter, spare[0].to(device))
+            continue
         leading = objective.loss(drafter, b.to(device)).leading.to(torch.int64).clamp(max=n_slots)
         hist += torch.bincount(leading, minlength=n_slots + 1).double()
-    if is_fsdp(drafter):  # every rank runs as many forwards (each gathers the shards): pad, uncounted
-        spare = batches[:1] or [b for j in range(len(heldout)) if (b := objective.heldout_batch(heldout[j], j))][:1]
-        want = int(all_reduce_max(len(batches), env))
-        for _ in range(want - len(batches)):
-            objective.loss(drafter, spare[0].to(device))
     hist = all_reduce_sum(hist, env)
     if was_training:
         drafter.train()
