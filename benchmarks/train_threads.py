@@ -76,6 +76,7 @@ def measure(setting: str, steps: int, cores: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--loads", default="idle,burner", help="idle, burner or both (comma-separated)")
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
@@ -84,7 +85,8 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     settings = ["one", "every", "auto"]
     rates: dict[tuple[str, str], float] = {}
-    for load in ("idle", "burner"):
+    loads = args.loads.split(",")
+    for load in loads:
         burner = None
         if load == "burner":
             burner = multiprocessing.Process(target=burn, args=(time.time() + 3600,), daemon=True)
@@ -97,7 +99,7 @@ def main() -> None:
                 burner.terminate()
                 burner.join()
     print(f"cores={cores} steps={args.steps} (demo shape; ratios against one thread in the same conditions)")
-    for load in ("idle", "burner"):
+    for load in loads:
         base = rates[(load, "one")]
         line = "  ".join(f"{s} {rates[(load, s)]:.1f} steps/s (x{rates[(load, s)] / base:.2f})" for s in settings)
         print(f"{load:<6} {line}")

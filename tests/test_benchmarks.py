@@ -20,6 +20,7 @@ RUNS = {
     "curate": ["--rows", "300", "--workers", "1"],
     "regenerate": ["--engine", "hf", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1"],
     "evaluate": ["--kind", "both", "--tokens", "40", "--hidden", "32", "--window", "16"],
+    "train_threads": ["--steps", "3", "--loads", "idle"],
 }
 
 
