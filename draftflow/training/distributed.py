@@ -32,6 +32,8 @@ import datetime
 import math
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +153,20 @@ def _count_pass(module, args, kwargs) -> None:
     st.last_inputs = (args, kwargs)  # re-run by zero-weight padding passes
     if st.passes == st.passes_per_step:  # the step's last pass: its backward reduce-scatters
         module.set_requires_gradient_sync(True)
+
+
+@contextmanager
+def uncounted_passes(model: torch.nn.Module) -> Iterator[None]:
+    """Forward passes that are not a training step's (held-out measurement): under FSDP the step's pass count,
+    its last inputs and the gradient-sync switch are put back after them, so the next step pads as it should."""
+    st = getattr(model, "_draftflow_step", None)
+    saved = None if st is None else (st.passes, st.last_inputs)
+    try:
+        yield
+    finally:
+        if st is not None:
+            st.passes, st.last_inputs = saved
+            model.set_requires_gradient_sync(st.passes == st.passes_per_step)
 
 
 # ----------------------------------------------------------------------------- gradients

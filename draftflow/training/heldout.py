@@ -25,7 +25,7 @@ import torch
 from draftflow import progress
 from draftflow.features import FeatureSample
 from draftflow.training.checkpoint import full_weights
-from draftflow.training.distributed import DistEnv, all_reduce_max, all_reduce_sum, is_fsdp
+from draftflow.training.distributed import DistEnv, all_reduce_max, all_reduce_sum, is_fsdp, uncounted_passes
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +98,13 @@ def measure(drafter, objective, heldout: Subset, device: torch.device, env: Dist
         if passes > len(batches):
             spare = batches[:1] or [b for j in range(len(heldout)) if (b := objective.heldout_batch(heldout[j], j))]
             batches += [None] * (passes - len(batches))
-    for b in batches:
-        if b is None:  # a padding pass: its result is not counted
-            objective.loss(drafter, spare[0].to(device))
-            continue
-        leading = objective.loss(drafter, b.to(device)).leading.to(torch.int64).clamp(max=n_slots)
-        hist += torch.bincount(leading, minlength=n_slots + 1).double()
+    with uncounted_passes(drafter):  # FSDP counts a step's forward passes: these are none of them
+        for b in batches:
+            if b is None:  # a padding pass: its result is not counted
+                objective.loss(drafter, spare[0].to(device))
+                continue
+            leading = objective.loss(drafter, b.to(device)).leading.to(torch.int64).clamp(max=n_slots)
+            hist += torch.bincount(leading, minlength=n_slots + 1).double()
     hist = all_reduce_sum(hist, env)
     if was_training:
         drafter.train()
