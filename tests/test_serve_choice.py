@@ -47,12 +47,15 @@ def test_where_verifying_is_nearly_free_more_drafts_pay_until_acceptance_runs_ou
     assert sc.plain_advice({1: choice}) is None
 
 
-def test_a_lookup_that_rarely_drafts_costs_mostly_plain_steps():
+def test_a_lookup_that_rarely_drafts_gains_and_costs_on_its_drafting_steps_only():
     costs = sc.Costs(0.02, {1: 0.022, 2: 0.024, 3: 0.026})
     always = sc.Proposer("ngram", [0.5, 0.3, 0.2], sc.drafting_costs(0.0, 3, "free"), drafting_share=1.0)
     seldom = sc.Proposer("ngram", [0.5, 0.3, 0.2], sc.drafting_costs(0.0, 3, "free"), drafting_share=0.2)
     assert sc.predict(always, costs, 3) == pytest.approx(2.0 * 0.02 / 0.026)
-    assert sc.predict(seldom, costs, 3) == pytest.approx(2.0 * 0.02 / (0.2 * 0.026 + 0.8 * 0.02))
+    assert sc.predict(seldom, costs, 3) == pytest.approx(1.2 * 0.02 / (0.2 * 0.026 + 0.8 * 0.02))
+    # the speculative path's own cost on every step (read off the measured run) weighs on every k
+    slow = sc.Proposer("ngram", [0.5, 0.3, 0.2], sc.drafting_costs(0.0, 3, "free"), 0.2, overhead_s=0.004)
+    assert sc.predict(slow, costs, 1) == pytest.approx(1.1 * 0.02 / (0.2 * 0.022 + 0.8 * 0.02 + 0.004))
 
 
 def test_ties_go_to_fewer_drafts_and_the_margin_keeps_noise_out():

@@ -5,13 +5,15 @@ costs a verification slot, and the drafting pass costs what it costs on this har
 drafts k, and whether any beats plain decoding, depend on the hardware and the batch. For each proposer
 (the drafter, vLLM's n-gram lookup) and each k, at each batch size:
 
-    predicted speedup(k) = tau(k) * t_step / (p * (t_verify(k) + t_draft(k)) + (1 - p) * t_step)
+    predicted speedup(k) = (1 + p * (tau(k) - 1)) * t_step / (p * (t_verify(k) + t_draft(k)) + (1 - p) * t_step + o)
 
-- tau(k) = 1 + sum_{j<=k} a_j, a_j = P(at least j drafts accepted) measured with the full chain: a chain
-  accepts draft j only if drafts 1..j-1 were accepted, so cutting it after k drafts keeps a_1..a_k;
+- tau(k) = 1 + sum_{j<=k} a_j, a_j = P(at least j drafts accepted) on a drafting step, measured with the full
+  chain: a chain accepts draft j only if drafts 1..j-1 were accepted, so cutting it after k drafts keeps a_1..a_k;
 - t_step: the plain decode step; t_verify(k): the target's forward over the anchor and k drafts; t_draft(k):
   one drafting pass proposing k drafts; all measured on the serving engine (`Costs`);
-- p: the share of steps that draft at all (1 for a drafter; n-gram lookup drafts only where it finds a match).
+- p: the share of steps that draft at all (1 for a drafter; n-gram lookup drafts only where it finds a match);
+- o: what every step of the method costs beyond that model, read off its measured run (the speculative path's
+  own work: n-gram lookup's undrafted steps are not plain steps), the same for every k.
 Leviathan et al., ICML 2023, Theorem 3.8 is the special case t_verify = t_step, t_draft = k * c * t_step.
 
 The best setting wins when its predicted speedup beats plain decoding by `MARGIN`; otherwise the choice is
@@ -35,12 +37,14 @@ class Proposer:
         acceptance: a_j for j = 1..K, P(at least j drafts accepted), measured with its longest chain.
         draft_s: k -> seconds of one drafting pass proposing k drafts (k = 1..K), at the batch the costs are for.
         drafting_share: the share of steps that draft (p above).
+        overhead_s: seconds every step of it costs beyond verifying and drafting (o above).
     """
 
     name: str
     acceptance: list[float]
     draft_s: dict[int, float]
     drafting_share: float = 1.0
+    overhead_s: float = 0.0
 
     @property
     def max_drafts(self) -> int:
@@ -81,9 +85,9 @@ def tau_at(acceptance: list[float], k: int) -> float:
 
 def predict(p: Proposer, costs: Costs, k: int) -> float:
     """The predicted speedup of serving `p` with k drafts (see the module docstring)."""
-    spec_step = costs.verify_s[k] + p.draft_s[k]
-    step = p.drafting_share * spec_step + (1.0 - p.drafting_share) * costs.step_s
-    return tau_at(p.acceptance, k) * costs.step_s / step
+    share = p.drafting_share
+    step = share * (costs.verify_s[k] + p.draft_s[k]) + (1.0 - share) * costs.step_s + p.overhead_s
+    return (1.0 + share * (tau_at(p.acceptance, k) - 1.0)) * costs.step_s / step
 
 
 def choose(proposers: list[Proposer], costs: Costs, margin: float = MARGIN) -> Choice:

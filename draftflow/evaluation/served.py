@@ -102,22 +102,24 @@ def _spec_of(export: Path | None, spec: dict[str, Any] | None) -> dict[str, Any]
 
 def proposers_at(batch: int, job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] | None]],
                  plain, runs: dict[str, Any], verify: dict[int, float]) -> list[serve_choice.Proposer]:
-    """Each measured method as a `Proposer` at `batch`: its acceptance by position (vLLM's counters), and its
-    drafting pass's cost, the rest of its measured speculative step once verification is taken out."""
+    """Each measured method as a `Proposer` at `batch`: its acceptance by position (vLLM's counters), the share
+    of its steps that draft, and what its measured steps cost beyond verifying: a drafter's drafting pass (which
+    scales with k as vLLM drafts, `DRAFTING`); for n-gram lookup, which drafts nothing itself, a fixed cost
+    of every step of its speculative path."""
     out = []
     for name, (export, spec) in methods.items():
         run, sc = runs[name], _spec_of(export, spec)
         K, how = int(sc["num_speculative_tokens"]), DRAFTING.get(sc["method"], "chain")
         tokens = sum(map(len, run.tokens_by_batch.get(job.batches[0], [])))
         share = min(1.0, run.drafts / max(1, tokens - run.accepted)) if how == "free" else 1.0
-        step = serve_choice.spec_step_seconds(batch, run.tau, run.tok_s.get(batch))
-        if step is None or K not in verify or not run.acceptance_rate:
+        if run.tau is None or K not in verify or not run.acceptance_rate or not run.tok_s.get(batch):
             continue
-        # per drafted step: a drafter drafts every step; n-gram lookup's plain steps are taken out first
-        drafted = (step - (1 - share) * plain_step(plain, batch)) / share if share > 0 else step
-        full = max(0.0, drafted - verify[K])
+        tokens_per_step = 1.0 + share * (run.tau - 1.0)  # over every step, drafting or not
+        step = serve_choice.spec_step_seconds(batch, tokens_per_step, run.tok_s[batch])
+        rest = max(0.0, step - share * verify[K] - (1.0 - share) * plain_step(plain, batch))
+        draft, overhead = (0.0, rest) if how == "free" else (rest, 0.0)
         out.append(serve_choice.Proposer(_label(sc), list(run.acceptance_rate[:K]),
-                                         serve_choice.drafting_costs(full, K, how), share))
+                                         serve_choice.drafting_costs(draft, K, how), share, overhead))
     return out
 
 
@@ -133,10 +135,14 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
     from draftflow.vllm_serve import with_drafts
 
     choices: dict[int, serve_choice.Choice] = {}
+    costs: dict[int, dict[str, Any]] = {}
     for b in job.batches:
         verify = serve_choice.verify_from_probe(plain_step(plain, b), plain.probe[b])
-        choices[b] = serve_choice.choose(proposers_at(b, job, methods, plain, runs, verify),
-                                         serve_choice.Costs(plain_step(plain, b), verify))
+        proposers = proposers_at(b, job, methods, plain, runs, verify)
+        choices[b] = serve_choice.choose(proposers, serve_choice.Costs(plain_step(plain, b), verify))
+        costs[b] = {"step_s": plain_step(plain, b), "verify_s": verify,  # what the prediction read
+                    "proposers": {p.name: {"drafting_share": p.drafting_share, "draft_s": p.draft_s,
+                                           "overhead_s": p.overhead_s} for p in proposers}}
     measured: dict[str, Any] = {}
     for c in choices.values():
         if c.setting == "plain" or c.setting in measured:
@@ -156,7 +162,7 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
         lossless = True if run is None else run.tokens_by_batch[b] == plain.tokens_by_batch[b]
         out[str(b)] = {"setting": c.setting, "predicted": c.predicted, "measured": speed, "lossless": lossless,
                        "best_speculative": c.best_speculative, "best_predicted": c.best_predicted,
-                       "table": c.table}
+                       "table": c.table, "costs": costs[b]}
     return out
 
 
