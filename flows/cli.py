@@ -193,6 +193,8 @@ def cmd_run(args) -> int:
         print(f"export ({fmt}): {path}")
         if summary.get("serve", {}).get(fmt):
             print(f"  serve: {summary['serve'][fmt]}")
+    if summary.get("serve_note"):  # the serve setting chosen from measured costs, or "serve without speculation"
+        print(f"serve setting: {summary['serve_note']}")
     print(f"report: {summary['report']}")
     print(f"wall time {time.time() - start:.1f} s")
     return 0

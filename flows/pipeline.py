@@ -12,6 +12,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
+from draftflow.evaluation.serve_choice import advice
 from draftflow.export_readme import described_target
 from draftflow.report import plots_markdown, without_relative_images
 from draftflow.runinfo import record_run
@@ -66,6 +67,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype,  # format -> line
                              cfg.regenerate.vllm, report.get("serve_choice")),
+        "serve_note": advice(report.get("serve_choice")),  # what the measured costs chose (None without vLLM)
         "report": f"{evaluated.path}/{report['report']}",
     }
 

@@ -3,6 +3,8 @@ choice is arithmetic on measurements, so it is tested on given numbers, never by
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from draftflow.evaluation import serve_choice as sc
@@ -29,8 +31,9 @@ def test_on_a_cpu_where_every_drafter_is_slower_the_choice_is_plain_decoding():
     assert choice.best_speculative == "dflash:k=1"  # one draft wastes the fewest slots
     assert choice.best_predicted == pytest.approx(1.26 * 0.0646 / (0.0646 + 0.0444 / 7 + 0.0357 * 2 / 8), rel=1e-3)
     assert choice.table["dflash:k=7"]["predicted"] == pytest.approx(1.307 * 0.0646 / (0.109 + 0.0357), rel=1e-3)
-    line = sc.plain_advice({1: choice, 8: choice})
-    assert line.startswith("on this hardware serve without speculation: best dflash:k=1 x1.0") and "at batch 8" in line
+    line = sc.advice({"1": dataclasses.asdict(choice), "8": dataclasses.asdict(choice)})
+    assert line.startswith("on this hardware serve without speculation: best drafter setting dflash:k=1 x1.0")
+    assert "at batch 8" in line
 
 
 def test_where_verifying_is_nearly_free_more_drafts_pay_until_acceptance_runs_out():
@@ -44,7 +47,7 @@ def test_where_verifying_is_nearly_free_more_drafts_pay_until_acceptance_runs_ou
     # EAGLE-3 pays a pass per draft: its best k is smaller than DFlash's
     eagle_best = max((s for s in choice.table if s.startswith("eagle3")), key=lambda s: choice.table[s]["predicted"])
     assert int(eagle_best.rsplit("=", 1)[1]) < choice.drafts
-    assert sc.plain_advice({1: choice}) is None
+    assert sc.advice({"1": dataclasses.asdict(choice)}).startswith("chosen from measured costs: batch 1 dflash:k=")
 
 
 def test_a_lookup_that_rarely_drafts_gains_and_costs_on_its_drafting_steps_only():
@@ -83,18 +86,14 @@ def test_drafting_costs_scale_as_each_proposer_drafts():
     assert sc.spec_step_seconds(8, 1.5, 60.0) == pytest.approx(0.2) and sc.spec_step_seconds(1, None, 5.0) is None
 
 
-def test_the_serve_line_carries_the_choice_or_says_to_serve_without_speculation():
-    line = "vllm serve t --speculative-config '{...}'"
+def test_the_choice_is_said_plainly_beside_the_serve_lines():
     plain = {"1": {"setting": "plain", "predicted": 1.0, "best_speculative": "dflash:k=1", "best_predicted": 0.83},
              "8": {"setting": "plain", "predicted": 1.0, "best_speculative": "dflash:k=1", "best_predicted": 0.41}}
-    said = sc.advice_line(plain, line)
-    assert said.startswith("on this hardware serve without speculation: best drafter setting dflash:k=1 x0.83 at "
-                           "batch 1, best drafter setting dflash:k=1 x0.41 at batch 8; to serve the drafter anyway: ")
-    assert said.endswith(line)
+    assert sc.advice(plain) == ("on this hardware serve without speculation: best drafter setting dflash:k=1 x0.83 "
+                                "at batch 1, best drafter setting dflash:k=1 x0.41 at batch 8")
     mixed = {"1": {"setting": "dflash:k=3", "predicted": 1.4}, "8": {"setting": "plain", "predicted": 1.0}}
-    assert sc.advice_line(mixed, line) == f"{line}  # chosen from measured costs: batch 1 dflash:k=3 x1.40, " \
-        "batch 8 plain decoding x1.00"
-    assert sc.advice_line(None, line) == line
+    assert sc.advice(mixed) == "chosen from measured costs: batch 1 dflash:k=3 x1.40, batch 8 plain decoding x1.00"
+    assert sc.advice(None) is None
 
 
 def test_serve_lines_carry_batch_ones_chosen_drafts():

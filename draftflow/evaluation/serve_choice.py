@@ -113,29 +113,20 @@ def choose(proposers: list[Proposer], costs: Costs, margin: float = MARGIN) -> C
     return Choice("plain", 1.0, best, best_x, table)
 
 
-def advice_line(choice: dict[str, dict] | None, line: str) -> str:
-    """The serve line as printed: `line` (carrying batch 1's chosen drafts), after what the costs said when plain
-    decoding or n-gram lookup won somewhere. `choice`: batch size (as text) -> the evaluate report's choice."""
+def advice(choice: dict[str, dict] | None) -> str | None:
+    """What the costs chose, in one line printed under the serve lines (which stay runnable as printed): plainly,
+    to serve without speculation when plain decoding won at every batch size. `choice`: batch size (as text) ->
+    the evaluate report's choice; None without one."""
     if not choice:
-        return line
+        return None
     ordered = sorted(choice.items(), key=lambda kv: int(kv[0]))
     if all(c["setting"] == "plain" for _, c in ordered):
         figures = ", ".join(f"best drafter setting {c['best_speculative']} x{c['best_predicted']:.2f} at batch {b}"
                             for b, c in ordered)
-        return f"on this hardware serve without speculation: {figures}; to serve the drafter anyway: {line}"
-    notes = ", ".join(f"batch {b} {'plain decoding' if c['setting'] == 'plain' else c['setting']} "
-                      f"x{c['predicted']:.2f}" for b, c in ordered)
-    return f"{line}  # chosen from measured costs: {notes}"
-
-
-def plain_advice(choices: dict[int, Choice]) -> str | None:
-    """The line that says to serve without speculation, with the figures, when plain wins at every batch size
-    measured; None when some batch size has a setting that beats it."""
-    if not choices or any(c.setting != "plain" for c in choices.values()):
-        return None
-    figures = ", ".join(f"best {c.best_speculative} x{c.best_predicted:.2f} at batch {b}"
-                        for b, c in sorted(choices.items()))
-    return f"on this hardware serve without speculation: {figures} (predicted from measured step costs)"
+        return f"on this hardware serve without speculation: {figures}"
+    return "chosen from measured costs: " + ", ".join(
+        f"batch {b} {'plain decoding' if c['setting'] == 'plain' else c['setting']} x{c['predicted']:.2f}"
+        for b, c in ordered)
 
 
 def drafting_costs(full_s: float, most: int, how: str) -> dict[int, float]:

@@ -201,18 +201,16 @@ def serve_lines(store: Store, trained: Manifest, target: str, dtype: str = "auto
     Made when asked, not kept in the manifest: the target's local path is this machine's, not the run's.
 
     `choice`: evaluate's serve settings chosen from measured costs (`serve_choice` of its manifest): the lines
-    carry batch 1's number of drafts, or say plainly to serve without speculation when plain decoding won."""
+    carry batch 1's number of drafts (`serve_choice.advice` says what was chosen, beside them)."""
     from draftflow.engines.vllm import eager_mode, stored_dtype
-    from draftflow.evaluation.serve_choice import advice_line
 
     eager = eager_mode(vcfg or VLLMEngineConfig())
     lines = {}
     for fmt, rel in trained.extra.get("export", {}).items():
         folder = store.stage_path(STAGE, trained.fingerprint, rel)
         method, drafts = speculative_settings(store.read_json(f"{folder}/config.json"))
-        line = serve_command(target, store.url(folder), method, _chosen_drafts(choice, drafts),
-                             dtype=stored_dtype(target, dtype), python=vllm_python(), eager=eager)
-        lines[fmt] = advice_line(choice, line)
+        lines[fmt] = serve_command(target, store.url(folder), method, _chosen_drafts(choice, drafts),
+                                   dtype=stored_dtype(target, dtype), python=vllm_python(), eager=eager)
     return lines
 
 
