@@ -129,3 +129,29 @@ def test_the_setting_predicted_fastest_is_served_and_measured(monkeypatch, tmp_p
     assert served_with == [None, {"method": "dflash", "model": str(export), "num_speculative_tokens": 1}]
     text = "\n".join(served.render(record, {"dflash": 1.5}))
     assert "| 1 | dflash:k=1 | x1.06 | x1.25 | yes |" in text and "| 8 | plain | x1.00 | x1.00 | yes |" in text
+
+
+def test_a_chosen_setting_measured_slower_than_plain_is_overruled(monkeypatch, tmp_path):
+    """The same figures as above, but the chosen dflash:k=1 serves at 7 tok/s against plain's 10: the
+    recommendation at batch 1 becomes plain decoding, and the report says what was predicted and measured."""
+    import json
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({}))
+    monkeypatch.setattr("draftflow.vllm_serve.speculative_config",
+                        lambda e: {"method": "dflash", "model": str(e), "num_speculative_tokens": 3})
+    toks = {1: [[1, 2]], 8: [[1, 2]]}
+    probe = {b: {n: 0.5 + 0.01 * (n - 1) * b for n in range(1, 5)} for b in (1, 8)}
+    plain = ServedResult("plain", [[1, 2]], None, [], 0, 0, [], {1: 10.0, 8: 60.0}, toks, probe)
+    drafter = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 8.0, 8: 30.0}, toks)
+    slow = ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [], {1: 7.0, 8: 40.0}, toks)
+    monkeypatch.setattr(served, "serve_with_vllm", lambda job, export_dir=None, spec=None:
+                        plain if export_dir is None and spec is None else (drafter if spec is None else slow))
+    job = ServeJob("t", [[0]], 8, [2], None, "float32", (1, 8), ("chat",), probe_positions=4)
+    record, _ = served.measure(job, {"dflash": (export, None)}, greedy=[[1, 2]])
+    b1 = record["choice"]["1"]
+    assert (b1["setting"], b1["predicted"], b1["measured"]) == ("plain", 1.0, 1.0)
+    assert b1["overruled"]["setting"] == "dflash:k=1" and b1["overruled"]["measured"] == pytest.approx(0.7)
+    assert "dflash:k=1 was predicted x1.06 and measured x0.70, so the recommendation is plain decoding" in \
+        "\n".join(served.render(record, {}))

@@ -163,6 +163,11 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
         out[str(b)] = {"setting": c.setting, "predicted": c.predicted, "measured": speed, "lossless": lossless,
                        "best_speculative": c.best_speculative, "best_predicted": c.best_predicted,
                        "table": c.table, "costs": costs[b]}
+        if speed < 1.0:  # the measurement overrules the prediction: never recommend what was measured slower
+            out[str(b)] |= {"setting": "plain", "predicted": 1.0, "measured": 1.0, "lossless": True,
+                            "overruled": {"setting": c.setting, "predicted": c.predicted, "measured": speed}}
+            log.warning("serve setting at batch %d: %s was predicted x%.2f but measured x%.2f: plain decoding",
+                        b, c.setting, c.predicted, speed)
     return out
 
 
@@ -215,6 +220,9 @@ def render_choice(choice: dict[str, Any] | None) -> list[str]:
     for b, c in choice.items():
         lines.append(f"| {b} | {c['setting']} | x{c['predicted']:.2f} | x{c['measured']:.2f} | "
                      f"{'yes' if c['lossless'] else 'NO'} | {c['best_speculative']} (x{c['best_predicted']:.2f}) |")
+    lines += [f"- batch {b}: {c['overruled']['setting']} was predicted x{c['overruled']['predicted']:.2f} and "
+              f"measured x{c['overruled']['measured']:.2f}, so the recommendation is plain decoding"
+              for b, c in choice.items() if c.get("overruled")]
     settings = sorted({s for c in choice.values() for s in c["table"]})
     lines += ["", "| setting | tau | " + " | ".join(f"predicted b{b}" for b in choice) + " |",
               "|---" * (2 + len(choice)) + "|"]
