@@ -93,63 +93,55 @@ def test_per_category_without_drafting_steps_is_none():
     assert served.per_category(["a", "b"], [(2, 2), (1, 0)]) == {"a": pytest.approx(2.0), "b": 1.0}
 
 
-def test_the_setting_predicted_fastest_is_served_and_measured(monkeypatch, tmp_path):
-    """Fixed figures: a plain step of 0.1 s at batch 1 (10 tok/s) and verifying costs probed at +0.01 s a
-    position; the drafter (K=3, tau 1.7 at 8 tok/s, acceptance 0.6/0.08/0.02) is predicted fastest with one draft
-    at batch 1, which is then served with num_speculative_tokens 1; at batch 8 plain decoding wins."""
-    import json
+TOKS = {1: [[1, 2]], 8: [[1, 2]]}
+# plain: a step of 0.1 s at batch 1 (10 tok/s), verifying probed at +0.01 s a position (x batch)
+PLAIN = ServedResult("plain", [[1, 2]], None, [], 0, 0, [], {1: 10.0, 8: 60.0}, TOKS,
+                     {b: {n: 0.5 + 0.01 * (n - 1) * b for n in range(1, 5)} for b in (1, 8)})
+DRAFTER = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 8.0, 8: 30.0}, TOKS)  # K=3
 
+
+def choose_with(monkeypatch, tmp_path, chosen: ServedResult) -> tuple[dict, list]:
+    """`served.measure` on stand-in engines: plain (`PLAIN`), the drafter with its 3 drafts (`DRAFTER`), and
+    `chosen` for any other setting; returns the record and the speculative configs served."""
     export = tmp_path / "export"
     export.mkdir()
-    (export / "config.json").write_text(json.dumps({"speculators_model_type": "dflash"}))
     monkeypatch.setattr("draftflow.vllm_serve.speculative_config",
                         lambda e: {"method": "dflash", "model": str(e), "num_speculative_tokens": 3})
-    toks = {1: [[1, 2]], 8: [[1, 2]]}
-    probe = {b: {n: 0.5 + 0.01 * (n - 1) * b for n in range(1, 5)} for b in (1, 8)}
-    plain = ServedResult("plain", [[1, 2]], None, [], 0, 0, [], {1: 10.0, 8: 60.0}, toks, probe)
-    drafter = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 8.0, 8: 30.0}, toks)
     served_with = []
 
     def fake_serve(job, export_dir=None, spec=None):
         if export_dir is None and spec is None:
-            return plain
+            return PLAIN
         served_with.append(spec)
-        return drafter if spec is None else ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [], {1: 12.5, 8: 40.0},
-                                                         toks)
+        return DRAFTER if spec is None else chosen
 
     monkeypatch.setattr(served, "serve_with_vllm", fake_serve)
     job = ServeJob("t", [[0]], 8, [2], None, "float32", (1, 8), ("chat",), probe_positions=4)
     record, _ = served.measure(job, {"dflash": (export, None)}, greedy=[[1, 2]])
+    return record, served_with
+
+
+def test_the_setting_predicted_fastest_is_served_and_measured(monkeypatch, tmp_path):
+    """Fixed figures (`PLAIN`, `DRAFTER`: tau 1.7 at 8 tok/s, acceptance 0.6/0.08/0.02): the drafter with one
+    draft is predicted fastest at batch 1 and served with num_speculative_tokens 1; at batch 8 plain wins."""
+    record, served_with = choose_with(monkeypatch, tmp_path, ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [],
+                                                                         {1: 12.5, 8: 40.0}, TOKS))
     choice = record["choice"]
     # batch 1: drafting pass = 1 * 1.7 / 8 - (0.1 + 0.03) = 0.0825 s at K=3, (k+1)/(K+1) of it at k
     k1 = 1.6 * 0.1 / (0.1 + 0.01 + 0.0825 / 2)
     assert choice["1"]["setting"] == "dflash:k=1" and choice["1"]["predicted"] == pytest.approx(k1, rel=1e-3)
     assert choice["1"]["measured"] == pytest.approx(12.5 / 10.0) and choice["1"]["lossless"] is True
     assert choice["8"]["setting"] == "plain" and choice["8"]["measured"] == 1.0
-    assert served_with == [None, {"method": "dflash", "model": str(export), "num_speculative_tokens": 1}]
+    assert served_with == [None, {"method": "dflash", "model": str(tmp_path / "export"), "num_speculative_tokens": 1}]
     text = "\n".join(served.render(record, {"dflash": 1.5}))
     assert "| 1 | dflash:k=1 | x1.06 | x1.25 | yes |" in text and "| 8 | plain | x1.00 | x1.00 | yes |" in text
 
 
 def test_a_chosen_setting_measured_slower_than_plain_is_overruled(monkeypatch, tmp_path):
-    """The same figures as above, but the chosen dflash:k=1 serves at 7 tok/s against plain's 10: the
-    recommendation at batch 1 becomes plain decoding, and the report says what was predicted and measured."""
-    import json
-
-    export = tmp_path / "export"
-    export.mkdir()
-    (export / "config.json").write_text(json.dumps({}))
-    monkeypatch.setattr("draftflow.vllm_serve.speculative_config",
-                        lambda e: {"method": "dflash", "model": str(e), "num_speculative_tokens": 3})
-    toks = {1: [[1, 2]], 8: [[1, 2]]}
-    probe = {b: {n: 0.5 + 0.01 * (n - 1) * b for n in range(1, 5)} for b in (1, 8)}
-    plain = ServedResult("plain", [[1, 2]], None, [], 0, 0, [], {1: 10.0, 8: 60.0}, toks, probe)
-    drafter = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 8.0, 8: 30.0}, toks)
-    slow = ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [], {1: 7.0, 8: 40.0}, toks)
-    monkeypatch.setattr(served, "serve_with_vllm", lambda job, export_dir=None, spec=None:
-                        plain if export_dir is None and spec is None else (drafter if spec is None else slow))
-    job = ServeJob("t", [[0]], 8, [2], None, "float32", (1, 8), ("chat",), probe_positions=4)
-    record, _ = served.measure(job, {"dflash": (export, None)}, greedy=[[1, 2]])
+    """The chosen dflash:k=1 serves at 7 tok/s against plain's 10: the recommendation at batch 1 becomes
+    plain decoding, and the report says what was predicted and measured."""
+    record, _ = choose_with(monkeypatch, tmp_path, ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [],
+                                                                {1: 7.0, 8: 40.0}, TOKS))
     b1 = record["choice"]["1"]
     assert (b1["setting"], b1["predicted"], b1["measured"]) == ("plain", 1.0, 1.0)
     assert b1["overruled"]["setting"] == "dflash:k=1" and b1["overruled"]["measured"] == pytest.approx(0.7)

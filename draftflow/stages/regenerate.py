@@ -144,17 +144,24 @@ def settle(d: Dialog, provenance: str, rcfg: RegenerateConfig) -> tuple[dict | N
     return row, None
 
 
-def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, params: SamplingParams,
-                     provenance: str, limit: int | None) -> tuple[list[dict], list[dict], int]:
-    """Regenerate some conversations; return (rows out, rejects, conversations cut at a tool result)."""
-    dialogs, rejects = [], []
+def validated(rows: list[dict], chat) -> tuple[list[dict], list[dict]]:
+    """(the rows the chat template accepts, a reject for each other one with its reason)."""
+    valid, rejects = [], []
     for row in rows:
         try:
             chat.validate(row["messages"])
         except ConversationError as exc:
             rejects.append(reject(row["source"], exc.reason, str(exc), row["sample_id"]))
             continue
-        dialogs.append(plan_dialog(row, thinking_for(row, rcfg.enable_thinking, rcfg.seed)))
+        valid.append(row)
+    return valid, rejects
+
+
+def regenerate_chunk(rows: list[dict], engine, chat, rcfg: RegenerateConfig, params: SamplingParams,
+                     provenance: str, limit: int | None) -> tuple[list[dict], list[dict], int]:
+    """Regenerate some conversations; return (rows out, rejects, conversations cut at a tool result)."""
+    valid, rejects = validated(rows, chat)
+    dialogs = [plan_dialog(row, thinking_for(row, rcfg.enable_thinking, rcfg.seed)) for row in valid]
     # hf batches by batch_size (memory); vllm schedules a whole round itself, and the HTTP
     # client bounds its own concurrency, so they get every request of the round at once.
     batch = rcfg.batch_size if rcfg.engine == "hf" else max(1, len(dialogs))
@@ -171,13 +178,8 @@ def keep_source_answers(rows: list[dict], chat) -> tuple[list[dict], list[dict]]
     """`regenerate.answers: source` (fixed data): each conversation as the source wrote it, its assistant turns
     supervised as they are (no token ids: tokenize derives them from the template). (rows out, rejects)."""
     provenance = json.dumps({"engine": "none", "answers": "source"})
-    out, rejects = [], []
-    for row in rows:
-        try:
-            chat.validate(row["messages"])
-        except ConversationError as exc:
-            rejects.append(reject(row["source"], exc.reason, str(exc), row["sample_id"]))
-            continue
+    out, (valid, rejects) = [], validated(rows, chat)
+    for row in valid:
         turns = [i for i, m in enumerate(row["messages"])
                  if m["role"] == "assistant" and (m.get("content") or "").strip()]
         if not turns:
