@@ -256,7 +256,8 @@ SOURCES = {
     "zst_not_zstd": (_file("plain.jsonl.zst", b'{"a": 1}\n'), None),
     "xz_truncated": (_file("cut.jsonl.xz", b"\xfd7zXZ\x00\x00"), None),
     "binary_jsonl": (_file("binary.jsonl", b"\x00\x01\x02PK\x03\x04" * 20), None),
-    "json_array": (_file("array.json", b'[{"conversations": []}]'), None),
+    # A JSON array of objects is a format (ShareGPT V3's file is one); an array of anything else is not.
+    "json_array_of_numbers": (_file("array.json", b"[1, 2, 3]"), None),
     "csv_named_jsonl": (_file("table.jsonl", b"question,answer\nwhy,because\n"), None),
     "count_and_weight": (["curate.sources=[{name: s, path: /x.jsonl, count: 3, weight: 1.0}]"], ["count"]),
     "neither_path_nor_hf": (["curate.sources=[{name: s}]"], ["path, hf, self_instruct or code_stubs"]),
