@@ -12,7 +12,7 @@ Variants: paper (the papers' recipe exactly), +init (the target's last layers as
 labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations. Every variant runs
 the same steps; its wall time is printed beside it (soft labels add one LM-head pass a step). A measurement, not
 a test: the figures are this
-machine's, and README "Recipes" records a dated run.
+machine's, and docs/results.md "Recipes" records a dated run.
 """
 
 from __future__ import annotations
@@ -35,20 +35,18 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def variant_config(cfg, kind: str, options: dict[str, Any]):
+def variant_config(cfg, options: dict[str, Any]):
     """The run config of one variant: the drafter's objective options and the train settings, held-out
     measurement on for every variant (keep: last, so `best` below is what keep: best would export)."""
-    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss")}
-    train = {k: v for k, v in options.items() if k not in drafter}
-    if kind == "eagle3" and "distill_top_k" in drafter:  # EAGLE-3's paper labels are already soft
-        drafter["distill_top_k"] = 0 if options.get("distill_top_k") is None else drafter["distill_top_k"]
-    data = cfg.model_dump(mode="json")
-    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | drafter
-    data["train"] |= {"init_from_target": None, "keep": None, "eval_every": None} | train
-    data["train"] |= {"eval_every": data["train"]["eval_every"] if data["train"]["eval_every"] not in (None, "off")
-                      else "auto", "keep": "last"}
     from draftflow.config import RunConfig
 
+    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss")}
+    train = {k: v for k, v in options.items() if k not in drafter}
+    data = cfg.model_dump(mode="json")
+    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | drafter
+    every = data["train"]["eval_every"]
+    data["train"] |= {"init_from_target": None} | train | {
+        "eval_every": every if isinstance(every, int) else "auto", "keep": "last"}
     return RunConfig.model_validate(data)
 
 
@@ -95,7 +93,7 @@ def main() -> None:
     features = StoredFeatures(fingerprint=manifest.fingerprint, shards=manifest.data_shards("train"))
     rows = {}
     for name in args.variants.split(","):
-        cfg = variant_config(base, base.drafter.kind, VARIANTS[name])
+        cfg = variant_config(base, VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)
         print(f"{name}: {json.dumps(rows[name])}", flush=True)
     paper = (rows.get("paper") or {}).get("best_tau")
