@@ -10,7 +10,7 @@ Then the same three beside a burner: one process spinning on one core for the wh
     python -m benchmarks.train_threads [--steps 400]
 
 Ratios only, no pass/fail. On 2 idle cores here, every setting ran the demo's small ops at about the
-same rate; beside a burner `every` fell by an order of magnitude (README "Speed on a CPU").
+same rate; beside a burner `every` fell by an order of magnitude (docs/results.md "Speed on a CPU").
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ class TrainConfig(Section):
         return self
 
 
-# The objective each recipe gives a drafter (README "Recipes" has the ablation behind draftflow's): labels by kind
-# (None: the kind's paper labels, hard for DFlash, the whole draft-vocabulary distribution for EAGLE-3).
+# The objective each recipe gives a drafter (docs/results.md "Recipes" has the ablation behind draftflow's): labels
+# by kind (None: the kind's paper labels, hard for DFlash, the whole draft-vocabulary distribution for EAGLE-3).
 RECIPE_OBJECTIVE: dict[str, dict[str, Any]] = {
     "paper": {"distill_top_k": {"dflash": 0}, "acceptance_loss": False},
     "draftflow": {"distill_top_k": {"dflash": 0}, "acceptance_loss": False},

@@ -9,7 +9,7 @@ import pytest
 
 from draftflow.evaluation import serve_choice as sc
 
-# SmolLM2-135M on this 2-core CPU, measured in the rehearsal (README "Speed on a CPU"): a plain step 64.6 ms,
+# SmolLM2-135M on this 2-core CPU, measured in the rehearsal (docs/results.md "Speed on a CPU"): a plain step 64.6 ms,
 # verifying 8 positions 109 ms, DFlash's drafting pass 35.7 ms; acceptance by position 26%, 4%, 0.6%, ...
 CPU_ACCEPT = [0.26, 0.04, 0.006, 0.001, 0.0, 0.0, 0.0]
 
