@@ -94,3 +94,15 @@ def test_the_environment_fixes_the_count_and_turns_the_probe_off(monkeypatch):
         assert threads.chooser_for(torch.device("meta")) is None  # not a CPU loop
     finally:
         torch.set_num_threads(before)
+
+
+def test_ranks_sharing_a_machine_split_its_cores_once_and_never_probe(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv(threads.ENV, raising=False)
+        monkeypatch.setattr(threads, "usable_cores", lambda: 8)
+        assert threads.chooser_for(torch.device("cpu"), local_ranks=4) is None and torch.get_num_threads() == 2
+        assert threads.chooser_for(torch.device("cpu"), local_ranks=16) is None and torch.get_num_threads() == 1
+        assert threads.chooser_for(torch.device("cpu"), local_ranks=1).candidates == [1, 2, 4, 8]
+    finally:
+        torch.set_num_threads(before)

@@ -52,6 +52,13 @@ class DistEnv:
     local_rank: int = 0
 
     @property
+    def local_world(self) -> int:
+        """Ranks of this run on this machine (torchrun's LOCAL_WORLD_SIZE; all of them when it is unset)."""
+        if self.world_size <= 1:
+            return 1
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 

@@ -131,14 +131,23 @@ class ThreadChooser:
                 self._decide()
 
 
-def chooser_for(device: torch.device) -> ThreadChooser | None:
+def chooser_for(device: torch.device, local_ranks: int = 1) -> ThreadChooser | None:
     """A chooser for a loop on `device`: None on GPUs and when `DRAFTFLOW_TORCH_THREADS` fixes the count
-    (which is then applied here)."""
+    (which is then applied here).
+
+    `local_ranks` processes of one distributed run share this machine: each gets an even share of the cores,
+    set once and never probed. A rank that changed its count mid-run would race the collective library's
+    worker threads, which run torch ops of their own (a CI run saw a gloo rank abort), and ranks probing at
+    once would time each other's load rather than their own.
+    """
     if device.type != "cpu":
         return None
     fixed = fixed_threads()
     if fixed is not None:
         torch.set_num_threads(fixed)
+        return None
+    if local_ranks > 1:
+        torch.set_num_threads(max(1, usable_cores() // local_ranks))
         return None
     chooser = ThreadChooser()
     return chooser if chooser.enabled else None
