@@ -1,8 +1,8 @@
-"""`draftflow compare RUN...`: τ and projected speedup of several evaluations side by side.
+"""`draftflow compare RUN...`: τ and predicted speedup of several evaluations side by side.
 
 Each RUN is a run root, an evaluate folder or a report.json (`draftflow.evalruns.resolve`). The
 table has one column per evaluation and one row per figure its report.json holds: overall τ,
-projected speedup, τ per category, τ of each baseline, τ per DDTree budget, and the last gate
+predicted speedup, τ per category, τ of each baseline, τ per DDTree budget, and the last gate
 verdict. Reports written before a key existed simply leave that row blank ("-"): every key but
 `tau` is read as optional. `plot` draws τ per category and τ per DDTree budget as one PNG.
 
@@ -34,7 +34,7 @@ def figures(report: dict[str, Any]) -> Figures:
     out: Figures = {"tau": _num(report.get("tau"))}
     speed = report.get("speedup")
     if isinstance(speed, dict):
-        out["speedup (projected)"] = _num(speed.get("projected"))
+        out["speedup (predicted)"] = _num(speed.get("predicted"))
     for name, c in (report.get("categories") or {}).items():
         out[f"tau {name}"] = _num((c or {}).get("tau"))
     for name, b in (report.get("baselines") or {}).items():
@@ -144,11 +144,11 @@ def plot(evs: list[Evaluation], path: str | Path) -> Path:
 
 def legend_label(i: int, e: Evaluation, f: Figures) -> str:
     """`[1] tiny · dflash · 6ce8a785 (x1.93)`: the run's name, its drafter's kind, its short fingerprint and
-    projected speedup (a bare report.json: its path)."""
+    predicted speedup (a bare report.json: its path)."""
     name = e.label.rsplit("/", 1)[0] if e.fingerprint and e.label.endswith(e.fingerprint) else e.label
     kind = (((e.manifest.config if e.manifest else None) or {}).get("drafter") or {}).get("kind")
     parts = [name, *([kind] if kind else []), *([e.fingerprint[:8]] if e.fingerprint else [])]
-    speed = f.get("speedup (projected)")
+    speed = f.get("speedup (predicted)")
     return f"[{i}] " + " · ".join(parts) + (f" (x{speed:.2f})" if speed is not None else "")
 
 

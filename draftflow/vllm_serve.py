@@ -12,7 +12,7 @@ call, so the counters are also known per prompt (vLLM's τ per category).
 The evaluate stage compares the tokens with the target's greedy output (lossless) and vLLM's τ with
 draftflow's own on the same prompts: a gap means training and serving disagree (taps, mask token,
 layer ids, attention rules), the quiet failure this check exists for; the tokens/s with and
-without the drafter are the served speedup (measured, not projected).
+without the drafter are the served speedup (measured, not predicted).
 
 Does not know: stores, stages or how the export was made; it needs vLLM (imported lazily through
 `draftflow.engines.vllm`). Trade-off: one engine start per method (tens of seconds on CPU), and

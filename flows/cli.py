@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="slots of the `gpu` concurrency limit when it is created (GPUs on the box)")
     s.add_argument("--show", action="store_true", help="print the deployments as `prefect deploy` reads them; "
                    "needs no server")
-    s = sub.add_parser("compare", help="tau and projected speedup per category and DDTree budget across runs")
+    s = sub.add_parser("compare", help="tau and predicted speedup per category and DDTree budget across runs")
     s.add_argument("runs", nargs="+", metavar="RUN", help="a run root, an evaluate folder or a report.json")
     s.add_argument("--png", default=None, metavar="PATH", help="also draw the comparison as a PNG here")
     s.add_argument("--lines", action="store_true",

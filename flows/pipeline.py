@@ -62,7 +62,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
                     "dropped": s.manifest.dropped} for s in stages],
         "tau": report["tau"],
         "gate": evaluated.gate,  # evaluate.gate's verdict, None without one (draftflow.gating)
-        "evaluation": report.get("evaluation"),  # tau per category, baselines, projected speedup
+        "evaluation": report.get("evaluation"),  # tau per category, baselines, predicted speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype,  # format -> line

@@ -18,7 +18,7 @@ NEW = {
     **STATS,
     "categories": {"chat": {"tau": 2.5, **STATS}, "code": {"tau": 3.25, **STATS}, "math": {"tau": 2.0, **STATS}},
     "baselines": {"no_draft": {"tau": 1.0, **STATS}, "prompt_lookup": {"tau": 1.4, **STATS}},
-    "speedup": {"target_step_s": 0.02, "drafter_step_s": 0.004, "projected": 1.93, "formula": "…", "device": "cpu"},
+    "speedup": {"target_step_s": 0.02, "drafter_step_s": 0.004, "predicted": 1.93, "drafter_setting": "dflash:k=3", "device": "cpu"},
     "ddtree": {
         "16": {"tau": 3.5, "steps": 2, "nodes": 16},
         "4": {"tau": 3.0, "steps": 2, "nodes": 4},
@@ -39,7 +39,7 @@ def test_figures_read_every_key_the_report_has_and_skip_the_absent_ones():
     got = figures(NEW)
     assert list(got) == [
         "tau",
-        "speedup (projected)",
+        "speedup (predicted)",
         "tau chat",
         "tau code",
         "tau math",
@@ -49,7 +49,7 @@ def test_figures_read_every_key_the_report_has_and_skip_the_absent_ones():
         "tau ddtree 4",
         "tau ddtree 16",
     ]
-    assert got["tau code"] == 3.25 and got["tau ddtree 16"] == 3.5 and got["speedup (projected)"] == 1.93
+    assert got["tau code"] == 3.25 and got["tau ddtree 16"] == 3.5 and got["speedup (predicted)"] == 1.93
 
 
 def test_table_of_two_report_files_shows_each_figure_and_a_dash_where_a_report_lacks_it(tmp_path):
@@ -59,7 +59,7 @@ def test_table_of_two_report_files_shows_each_figure_and_a_dash_where_a_report_l
     assert lines[0] == f"[1] {a}  {tmp_path / 'a'}" and lines[1] == f"[2] {b}  {tmp_path / 'b'}"
     rows = {line.split("  ")[0].strip(): line.split()[-2:] for line in lines[3:]}
     assert rows["tau"] == ["2.750", "2.125"]
-    assert rows["speedup (projected)"] == ["x1.93", "-"]
+    assert rows["speedup (predicted)"] == ["x1.93", "-"]
     assert rows["tau math"] == ["2.000", "-"] and rows["tau baseline prompt_lookup"] == ["1.400", "-"]
     assert [n for n in rows if n.startswith("tau ddtree")] == ["tau ddtree 1", "tau ddtree 4", "tau ddtree 16"]
     assert rows["gate"] == ["-", "-"]

@@ -30,12 +30,12 @@ def test_min_tau_fails_below_and_passes_at_the_threshold():
     assert decide(REPORT, GateConfig()) == {"passed": True, "checks": [], "notes": []}
 
 
-def test_min_speedup_reads_the_projected_speedup_and_is_one_line_when_the_report_has_none():
-    fast = REPORT | {"speedup": {"projected": 1.8, "formula": "…"}}
+def test_min_speedup_reads_the_predicted_speedup_and_is_one_line_when_the_report_has_none():
+    fast = REPORT | {"speedup": {"predicted": 1.8, "drafter_setting": "dflash:k=3"}}
     assert decide(fast, GateConfig(min_speedup=1.5))["passed"]
     assert not decide(fast, GateConfig(min_speedup=2.0))["passed"]
     for old in (REPORT, REPORT | {"speedup": None}, REPORT | {"speedup": {"formula": "…"}}):
-        with pytest.raises(GateError, match="min_speedup is set but the report has no projected speedup") as exc:
+        with pytest.raises(GateError, match="min_speedup is set but the report has no predicted speedup") as exc:
             decide(old, GateConfig(min_speedup=1.5))
         assert "\n" not in str(exc.value)
 
@@ -174,7 +174,7 @@ def test_a_named_baseline_is_used_and_a_missing_or_incomparable_one_is_one_line(
 
 def test_min_speedup_on_a_stored_report_without_speedup_is_one_line(tmp_path):
     now = evaluation(tmp_path, "f" * 16, 2.0)
-    with pytest.raises(GateError, match=r"min_speedup is set but .*evaluate/f{16} has no projected speedup"):
+    with pytest.raises(GateError, match=r"min_speedup is set but .*evaluate/f{16} has no predicted speedup"):
         apply_gate(Store(str(tmp_path)), gate_cfg(tmp_path, min_speedup=1.2), now, TRAINED)
-    fast = evaluation(tmp_path, "e" * 16, 2.0, speedup={"projected": 1.5})
+    fast = evaluation(tmp_path, "e" * 16, 2.0, speedup={"predicted": 1.5})
     assert apply_gate(Store(str(tmp_path)), gate_cfg(tmp_path, min_speedup=1.2), fast, TRAINED)["promoted"]

@@ -7,7 +7,7 @@ one check per threshold set, each with the measured value, the threshold and whe
 What it does not know: stores, manifests, run roots, Prefect. Finding the best earlier evaluation
 (`max_regression`) and writing the `promoted` marker are `draftflow.gating`'s; this module gets
 the baseline's τ already chosen. Trade-off: a report without a value a threshold needs (a
-`min_speedup` on a report with no projected speedup) is an error, not a pass: a gate that
+`min_speedup` on a report with no predicted speedup) is an error, not a pass: a gate that
 silently skips a check would promote what it never measured.
 """
 
@@ -34,12 +34,13 @@ def measured_tau(report: dict[str, Any]) -> float | None:
 
 
 def measured_speedup(report: dict[str, Any]) -> float | None:
-    """The report's projected speedup (`speedup.projected`), or None when the report has none.
+    """The report's predicted speedup of the drafter at its best setting (`speedup.predicted`), or None when the
+    report has none.
 
     Read defensively: reports written before the speedup was measured have no `speedup` key.
     """
     speed = report.get("speedup")
-    value = speed.get("projected") if isinstance(speed, dict) else None
+    value = speed.get("predicted") if isinstance(speed, dict) else None
     return None if value is None else float(value)
 
 
@@ -63,7 +64,7 @@ def decide(
     """The gate's verdict on one evaluation.
 
     Args:
-        report: the evaluate stage's report.json (at least `tau`; `speedup.projected` for min_speedup).
+        report: the evaluate stage's report.json (at least `tau`; `speedup.predicted` for min_speedup).
         gate: the thresholds; each one set is a check.
         baseline: for max_regression, `{"tau", "label"}` of the evaluation to compare with (the best
             earlier one of the same target and eval set, or `gate.baseline`); None: there is none,
@@ -93,8 +94,8 @@ def decide(
         speed = measured_speedup(report)
         if speed is None:
             raise GateError(
-                f"evaluate.gate.min_speedup is set but {where} has no projected speedup "
-                "(report.json speedup.projected); unset min_speedup or re-evaluate with a draftflow "
+                f"evaluate.gate.min_speedup is set but {where} has no predicted speedup "
+                "(report.json speedup.predicted); unset min_speedup or re-evaluate with a draftflow "
                 "that measures it"
             )
         ok = speed >= gate.min_speedup
@@ -104,7 +105,7 @@ def decide(
                 speed,
                 gate.min_speedup,
                 ok,
-                f"projected speedup {speed:.2f} {'>=' if ok else '<'} min_speedup {gate.min_speedup:g}",
+                f"predicted speedup {speed:.2f} {'>=' if ok else '<'} min_speedup {gate.min_speedup:g}",
             )
         )
     if gate.max_regression is not None:

@@ -1,8 +1,7 @@
 """Served speedup, measured: the target in vLLM with and without each speculative method, timed.
 
-The projected speedup (`draftflow.evaluation.speedup`) multiplies τ by step costs timed in
-transformers; on a small target those costs are mostly framework overhead and the projection can
-land above τ itself. This module measures what a server delivers instead: vLLM decodes the same
+The predicted speedup (`draftflow.evaluation.speedup`) comes from step costs timed in transformers,
+which on a small target are mostly framework overhead. This module measures what a server delivers: vLLM decodes the same
 eval prompts greedily (i) plainly, (ii) with the drafter's vLLM-native export and (iii) with vLLM's
 n-gram prompt lookup, each at batch 1 and batch 8 (`evaluate.served_batches`), and reports output
 tokens per second, the ratio to plain decoding at the same batch size, vLLM's acceptance length

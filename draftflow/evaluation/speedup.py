@@ -1,25 +1,25 @@
-"""Projected speedup: measured step costs on the evaluation device, combined with τ.
+"""Predicted speedup on the evaluating engine: measured step costs and per-position acceptance, and the setting
+`draftflow.evaluation.serve_choice` would serve with them.
 
-The wall-time model of speculative decoding (Leviathan, Kalman and Matias, "Fast Inference from
-Transformers via Speculative Decoding", ICML 2023, Theorem 3.8: improvement factor
-(1 - α^(γ+1)) / ((1 - α)(γc + 1))) divides the tokens one step yields by what one step costs,
-in units of a plain target decode step. Its numerator over (1 - α) is the mean acceptance length
-τ; its denominator assumes verification costs one target step and drafting γ steps of relative
-cost c. Here both are measured instead:
+What evaluate measures here, on its own engine (transformers; vLLM's served costs are
+`draftflow.evaluation.served`'s), at one typical context, batch 1, KV-cached:
 
-    speedup = τ · t_step / (t_verify + t_draft)
+- t_step: the target's plain decode step (one new token);
+- t_verify(k): the target's forward over the anchor and k drafts, for every k up to the drafter's most;
+- t_draft: one proposal of each proposer at that context, through the reference proposer
+  (`DrafterSpec.propose`, which re-projects the context every call: an upper bound on a cached serving drafter),
+  scaled to k drafts as the kind drafts (`serve_choice.drafting_costs`: DFlash one block pass, EAGLE-3 one pass a
+  draft, prompt lookup free).
 
-- t_step: the target's plain decode step, one new token after the context (KV cache);
-- t_verify: the target's forward over the B positions [anchor, B-1 drafts] after the same context
-  (KV cache), which is what one speculative step verifies;
-- t_draft: one proposal of the drafter at that context (DFlash: one block forward; EAGLE-3: its
-  whole chain), through the reference proposer (`DrafterSpec.propose`, which re-projects the context
-  every call: an upper bound on a cached serving drafter).
+With the evaluation's per-position acceptance (a_j = P(at least j drafts accepted)), `serve_choice.predict` gives
+every (proposer, k) a predicted speedup over plain decoding and `serve_choice.choose` the setting to serve: the
+same model and the same choice as the served path, on the costs of this engine. (This replaces the "projected
+speedup" of Leviathan et al. 2023, Theorem 3.8 with the block's full width: it assumed every draft is worth its
+verification slot, and printed the drafter's full width however little its later drafts were accepted.)
 
-With t_verify = t_step and t_draft = γ·c·t_step this is the paper's formula. Each cost is the median
-of a few timed repetitions after a warm-up, batch 1. They are measurements: they vary with load and
-device, are not fingerprinted content, and no test asserts their values. What the model leaves out:
-acceptance bookkeeping, sampling, batching, and the cache rollback of rejected drafts.
+The costs are the median of a few timed repetitions after a warm-up. They are measurements: they vary with load
+and device, are not fingerprinted content, and no test asserts their values. Prompt lookup is modelled as drafting
+on every step (its undrafted steps verify one position in truth, so it is predicted a little pessimistically).
 """
 
 from __future__ import annotations
@@ -28,24 +28,34 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-FORMULA = "speedup = tau * t_step / (t_verify + t_draft)"
+from draftflow.evaluation import serve_choice
+
+MODEL = "predicted(k) = tau(k) * t_step / (t_verify(k) + t_draft(k)), tau(k) = 1 + a_1 + ... + a_k; best k"
 REPEATS = 7
 WARMUP = 2
+# How each proposer's drafting pass scales with k drafts (`serve_choice.drafting_costs`): the kind's by its name.
+DRAFTING = {"dflash": "block", "eagle3": "chain", "prompt_lookup": "free", "ngram": "free"}
 
 
-def projected(tau: float | None, step_s: float, verify_s: float, draft_s: float) -> float | None:
-    """`τ · t_step / (t_verify + t_draft)`; None without a τ (no drafting step was taken).
+@dataclass(frozen=True)
+class Candidate:
+    """One proposer of the evaluation, as the prediction needs it.
 
-    Raises:
-        ValueError: a non-positive step cost (a timer that measured nothing).
+    Attributes:
+        name: its key in the report (`drafter`, or a baseline's name); label: its settings' prefix
+            (`dflash`, `eagle3`, `prompt_lookup`); acceptance: a_j for j = 1..K (the evaluation's acceptance_rate);
+        how: how its drafting pass scales with k (`DRAFTING`'s values).
     """
-    if min(step_s, verify_s) <= 0 or draft_s < 0:
-        raise ValueError(f"step costs must be positive: step {step_s}, verify {verify_s}, draft {draft_s}")
-    return None if tau is None else tau * step_s / (verify_s + draft_s)
+
+    name: str
+    label: str
+    acceptance: list[float]
+    how: str
 
 
 def median_seconds(fn: Callable[[], Any], device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
@@ -72,8 +82,8 @@ def device_label(device: torch.device) -> str:
 
 
 @torch.no_grad()
-def _target_costs(target, seq: list[int], block: list[int], device: torch.device) -> tuple[float, float]:
-    """(t_step, t_verify): a forward over 1 and over len(block) new positions after `seq`, KV-cached."""
+def _target_costs(target, seq: list[int], block: list[int], device: torch.device) -> dict[int, float]:
+    """n -> seconds of a forward over n new positions after `seq` (KV-cached), for n = 1..len(block)."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
@@ -88,31 +98,30 @@ def _target_costs(target, seq: list[int], block: list[int], device: torch.device
         )  # a speculative step also reads the tap features
         cache.crop(-len(ids))  # back to the context's n positions
 
-    return median_seconds(lambda: forward(block[:1]), device), median_seconds(lambda: forward(block), device)
+    return {n: median_seconds(lambda n=n: forward(block[:n]), device) for n in range(1, len(block) + 1)}
 
 
 def measure(
     target, proposers: dict[str, Callable[[], list[int]]], seq: list[int], anchor: int, width: int
 ) -> dict[str, Any]:
-    """Step costs at one context: the target's decode and verify steps, and each proposer's one proposal.
+    """Step costs at one context: the target's decode step, its verify step of every width, each proposer's pass.
 
     Args:
         proposers: name -> a call making one proposal at this context (the drafter's first).
         seq: the context the target has read; anchor: the token after it.
-        width: positions one verify step reads (1 + most drafts per step).
+        width: most positions one verify step reads (1 + most drafts per step).
 
     Returns:
-        target_step_s, verify_step_s, drafter_step_s (the first proposer's), proposer_step_s (each),
-        context_tokens, positions_verified, repeats, device.
+        target_step_s, verify_s (k drafts -> seconds, k = 1..width-1), proposer_step_s (each), context_tokens,
+        positions_verified (width), repeats, device.
     """
     device = target.get_input_embeddings().weight.device
     drafts = {name: median_seconds(fn, device) for name, fn in proposers.items()}
     block = ([anchor] + seq[-(width - 1) :] * width)[:width] if width > 1 else [anchor]  # any ids: cost only
-    step_s, verify_s = _target_costs(target, seq, block, device)
+    per_width = _target_costs(target, seq, block, device)
     return {
-        "target_step_s": step_s,
-        "verify_step_s": verify_s,
-        "drafter_step_s": next(iter(drafts.values())),
+        "target_step_s": per_width[1],
+        "verify_s": {n - 1: t for n, t in per_width.items() if n >= 2},
         "proposer_step_s": drafts,
         "context_tokens": len(seq) + 1,
         "positions_verified": width,
@@ -121,42 +130,61 @@ def measure(
     }
 
 
-# A verify step timed below this share of a decode step is no measurement; between it and 1 it is read as equal
-# (on a GPU verifying 8-16 positions costs about one decode step, and the timer's noise falls either side).
+# A verify step timed below this share of a decode step is no measurement (on a GPU verifying 8-16 positions costs
+# about one decode step, and the timer's noise falls either side; below it, it is noise or load).
 NOISE = 0.9
 
 
 def sanity(costs: dict[str, Any]) -> str | None:
-    """Why the measured costs cannot give a projection (None: they can). Verifying B positions reads the
-    same weights as decoding one plus more positions, so a verify step timed well below one decode step is
-    timer noise or load (one demo measured 6.4 ms against 9.6 ms and projected x2.41, above τ itself)."""
-    if costs["verify_step_s"] < NOISE * costs["target_step_s"]:
-        return (f"verify step ({costs['verify_step_s'] * 1e3:.2f} ms for {costs['positions_verified']} positions) "
-                f"measured cheaper than one decode step ({costs['target_step_s'] * 1e3:.2f} ms): timing noise")
+    """Why the measured costs cannot give a prediction (None: they can). Verifying k drafts reads the same weights
+    as decoding one token plus more positions, so a verify step timed well below one decode step is timer noise
+    or load (one demo measured 6.4 ms against 9.6 ms for 8 positions)."""
+    if not costs["verify_s"]:
+        return None
+    k = max(costs["verify_s"])
+    if costs["verify_s"][k] < NOISE * costs["target_step_s"]:
+        return (f"verify step ({costs['verify_s'][k] * 1e3:.2f} ms for {k + 1} positions) measured cheaper than "
+                f"one decode step ({costs['target_step_s'] * 1e3:.2f} ms): timing noise")
     return None
 
 
-def speedups(costs: dict[str, Any], taus: dict[str, float | None]) -> dict[str, Any]:
-    """The speedup record of the report: `costs` plus the formula and a projection per proposer.
+def speedups(costs: dict[str, Any], candidates: list[Candidate]) -> dict[str, Any]:
+    """The speedup record of the report: `costs`, every candidate setting's prediction, and the choice.
 
     Args:
-        costs: `measure`'s result. taus: proposer name (as in `costs['proposer_step_s']`) -> τ;
-            the first is the drafter, whose projection is `projected`. A proposer that drafts
-            nothing (`no_draft`) is verified over one position, so its projection is τ = 1 exactly.
+        costs: `measure`'s result. candidates: the drafter first, then the baselines that draft (their names as
+            in `costs['proposer_step_s']`); a candidate with no acceptance (no drafting step) is left out.
+
+    Returns:
+        `costs` plus predicted (the drafter's predicted speedup at its best k; None when withheld or unmeasured),
+        drafter_setting, predicted_per_proposer / setting_per_proposer (each candidate's best), choice (the
+        setting to serve on this engine at batch 1, `serve_choice.choose`), table, model, withheld.
     """
-    per = {}
-    for name, tau in taus.items():
-        verify = costs["target_step_s"] if name == "no_draft" else max(costs["verify_step_s"], costs["target_step_s"])
-        per[name] = projected(tau, costs["target_step_s"], verify, costs["proposer_step_s"].get(name, 0.0))
-    first = next(iter(taus))
+    step = costs["target_step_s"]
+    verify = {k: max(t, step) for k, t in costs["verify_s"].items()}  # noise never makes verifying cheaper
+    proposers = {c.name: serve_choice.Proposer(c.label, list(c.acceptance), serve_choice.drafting_costs(
+        costs["proposer_step_s"].get(c.name, 0.0), len(c.acceptance), c.how)) for c in candidates if c.acceptance}
     withheld = sanity(costs)
-    if withheld:  # a projection from costs that cannot be right is no figure at all
-        per = dict.fromkeys(per)
+    best: dict[str, tuple[str, float] | None] = dict.fromkeys((c.name for c in candidates))
+    choice = None
+    if not withheld and verify:
+        bcosts = serve_choice.Costs(step, verify)
+        for name, p in proposers.items():
+            one = serve_choice.choose([p], bcosts, margin=0.0)  # this proposer's best k, however slow
+            best[name] = (one.best_speculative, one.best_predicted) if one.table else None
+        choice = serve_choice.choose(list(proposers.values()), bcosts)
+    first = candidates[0].name if candidates else None
     return costs | {
-        "projected": per[first],
-        "projected_per_proposer": per,
+        "predicted": best[first][1] if first and best.get(first) else None,
+        "drafter_setting": best[first][0] if first and best.get(first) else None,
+        "predicted_per_proposer": {n: (b[1] if b else None) for n, b in best.items()},
+        "setting_per_proposer": {n: (b[0] if b else None) for n, b in best.items()},
+        "choice": None if choice is None else {"setting": choice.setting, "predicted": choice.predicted,
+                                               "best_speculative": choice.best_speculative,
+                                               "best_predicted": choice.best_predicted},
+        "table": choice.table if choice else {},
         "withheld": withheld,
-        "formula": FORMULA,
-        "measured": "median wall times of a few repetitions on the evaluation device after a warm-up, batch 1; "
+        "model": MODEL,
+        "measured": "median wall times of a few repetitions on the evaluation engine after a warm-up, batch 1; "
         "they vary with load and are not fingerprinted",
     }

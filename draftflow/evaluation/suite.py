@@ -31,6 +31,7 @@ from draftflow.evaluation.decode import (
     propose,
     speculative_generate,
 )
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation.selection import row_category, select
 
 __all__ = ["add_comparisons", "proposer_taus", "row_category", "run_baselines", "select", "split_stats", "with_counts"]
@@ -139,4 +140,8 @@ def add_comparisons(
     _, ctx = capture_taps(target, seq, drafter.config.target_layer_ids, round_features)
     calls = {"drafter": lambda: propose(drafter, seq, anchor, ctx)}
     calls |= {b.name: (lambda b=b: b.propose(seq, anchor)) for b in bases if not isinstance(b, NoDraft)}
-    stats["speedup"] = speedup.speedups(speedup.measure(target, calls, seq, anchor, width), proposer_taus(stats))
+    kind = spec_for_architecture(drafter.config.architecture).kind
+    candidates = [speedup.Candidate("drafter", kind, stats["acceptance_rate"], speedup.DRAFTING.get(kind, "chain"))]
+    candidates += [speedup.Candidate(n, n, b["acceptance_rate"], speedup.DRAFTING.get(n, "chain"))
+                   for n, b in stats["baselines"].items() if n in calls and b["tau"] is not None]
+    stats["speedup"] = speedup.speedups(speedup.measure(target, calls, seq, anchor, width), candidates)

@@ -1,4 +1,4 @@
-"""How the categories, baselines and projected speedup read: report.md sections, PNG plots, console lines.
+"""How the categories, baselines and predicted speedup read: report.md sections, PNG plots, console lines.
 
 `markdown(stats, drafter_title)` gives the report sections, `draw_plots(stats, folder)` the two
 PNGs beside report.md (τ per category for the drafter and each baseline; the accepted-length
@@ -51,17 +51,19 @@ def category_table(stats: dict[str, Any]) -> list[str]:
 
 
 def baseline_table(stats: dict[str, Any], drafter_title: str) -> list[str]:
-    speed = (stats.get("speedup") or {}).get("projected_per_proposer", {})
+    speed = (stats.get("speedup") or {}).get("predicted_per_proposer", {})
+    setting = (stats.get("speedup") or {}).get("setting_per_proposer", {})
     lines = [
         "## Baselines (same prompts, same drafts per step, lossless-checked)",
         "",
-        "| proposer | τ | steps | tokens | projected speedup |",
-        "|---|---|---|---|---|",
+        "| proposer | τ | steps | tokens | best setting | predicted speedup |",
+        "|---|---|---|---|---|---|",
     ]
-    rows = {f"{drafter_title} (trained)": (stats, speed.get("drafter"))}
-    rows |= {name: (b, speed.get(name)) for name, b in (stats.get("baselines") or {}).items()}
-    for name, (b, s) in rows.items():
-        lines.append(f"| {name} | {_f(b['tau'])} | {b['steps']} | {b['tokens']} | {_f(s, '.2f')} |")
+    rows = {f"{drafter_title} (trained)": (stats, "drafter")}
+    rows |= {name: (b, name) for name, b in (stats.get("baselines") or {}).items()}
+    for name, (b, key) in rows.items():
+        lines.append(f"| {name} | {_f(b['tau'])} | {b['steps']} | {b['tokens']} | {setting.get(key) or '-'} | "
+                     f"{_f(speed.get(key), '.2f')} |")
     return lines + [
         "",
         "no_draft proposes nothing (τ = 1 by construction); prompt_lookup copies the continuation "
@@ -74,14 +76,26 @@ def speedup_lines(speed: dict[str, Any] | None) -> list[str]:
     if not speed:
         return []
     ms = lambda s: f"{s * 1e3:.3f} ms"  # noqa: E731
-    return [
-        "## Projected speedup",
+    verify = ", ".join(f"{k}: {ms(t)}" for k, t in sorted((int(k), t) for k, t in speed["verify_s"].items()))
+    choice = speed.get("choice") or {}
+    lines = [
+        "## Predicted speedup (this engine, batch 1)",
         "",
         *([f"- **withheld**: {speed['withheld']}"] if speed.get("withheld") else []),
-        f"- **×{_f(speed['projected'], '.2f')}** by `{speed['formula']}` (Leviathan et al. 2023, Theorem 3.8, "
-        "with measured costs): "
-        f"t_step {ms(speed['target_step_s'])} (target, 1 new token), t_verify {ms(speed['verify_step_s'])} "
-        f"(target, {speed['positions_verified']} positions), t_draft {ms(speed['drafter_step_s'])} (drafter)",
+        f"- the drafter at its best setting **{speed.get('drafter_setting') or '-'}: "
+        f"×{_f(speed.get('predicted'), '.2f')}** by `{speed['model']}` (`draftflow.evaluation.serve_choice`)",
+    ]
+    if choice:
+        lines.append(f"- the setting to serve here: **{choice['setting']}**"
+                     + (f" (best speculative {choice['best_speculative']} ×{choice['best_predicted']:.2f})"
+                        if choice["setting"] == "plain" else f" ×{choice['predicted']:.2f}"))
+    if speed.get("table"):
+        lines += ["", "| setting | τ(k) | predicted speedup |", "|---|---|---|"]
+        lines += [f"| {name} | {row['tau']:.3f} | ×{row['predicted']:.2f} |" for name, row in speed["table"].items()]
+        lines.append("")
+    return lines + [
+        f"- t_step {ms(speed['target_step_s'])} (target, 1 new token); t_verify by drafts k: {verify}; "
+        "one drafting pass: " + ", ".join(f"{n} {ms(t)}" for n, t in speed["proposer_step_s"].items()),
         f"- measured on {speed['device']} at {speed['context_tokens']} context tokens, KV-cached target, "
         f"median of {speed['repeats']} repetitions after a warm-up, batch 1: measurements, they vary with load "
         "and are not fingerprinted",
@@ -146,26 +160,27 @@ def headline(stats: dict[str, Any]) -> dict[str, Any]:
     return {
         "tau_per_category": {c: s["tau"] for c, s in (stats.get("categories") or {}).items()},
         "baselines": {n: b["tau"] for n, b in (stats.get("baselines") or {}).items()},
-        "speedup": {k: speed.get(k) for k in ("projected", "formula", "device", "withheld")} | {
-            "baselines": {n: x for n, x in (speed.get("projected_per_proposer") or {}).items()
-                          if n in (stats.get("baselines") or {}) and n != "no_draft"}} if speed else None,
+        "speedup": {k: speed.get(k) for k in ("predicted", "drafter_setting", "choice", "device", "withheld")} | {
+            "baselines": {n: x for n, x in (speed.get("predicted_per_proposer") or {}).items()
+                          if n in (stats.get("baselines") or {})}} if speed else None,
         "served": {n: m["speedup"] for n, m in stats["served"]["methods"].items()} if stats.get("served") else None,
         "ddtree": {b: s["tau"] for b, s in (stats.get("ddtree") or {}).items()},  # DFlash: τ per DDTree budget
     }
 
 
-def _projected_line(s: dict[str, Any]) -> str:
-    """The projection, the best baseline's beside it, or why there is none."""
+def _predicted_line(s: dict[str, Any]) -> str:
+    """The drafter's prediction at its best setting, the best baseline's beside it, or why there is none."""
     if s.get("withheld"):
-        return f"projected speedup withheld: {s['withheld']}"
+        return f"predicted speedup withheld: {s['withheld']}"
     base = {n: x for n, x in (s.get("baselines") or {}).items() if x is not None}
     best = max(base.items(), key=lambda kv: kv[1], default=None)
     beside = f", best baseline {best[0]} x{best[1]:.2f}" if best else ""
-    return f"projected speedup x{_f(s['projected'], '.2f')}{beside} ({s['formula']}; measured on {s['device']})"
+    return (f"predicted speedup x{_f(s['predicted'], '.2f')} at {s.get('drafter_setting') or '-'}{beside} "
+            f"(batch 1, costs measured on {s['device']})")
 
 
 def console_lines(head: dict[str, Any] | None) -> list[str]:
-    """What `draftflow run` prints after τ: τ per category, the baselines, the projected speedup."""
+    """What `draftflow run` prints after τ: τ per category, the baselines, the predicted speedup."""
     if not head:
         return []
     lines = []
@@ -174,7 +189,7 @@ def console_lines(head: dict[str, Any] | None) -> list[str]:
     if head.get("baselines"):
         lines.append("baselines (same prompts): " + ", ".join(f"{n} tau {_f(t)}" for n, t in head["baselines"].items()))
     if head.get("speedup"):
-        lines.append(_projected_line(head["speedup"]))
+        lines.append(_predicted_line(head["speedup"]))
     if head.get("served"):  # measured in vLLM: tokens/s with the method / without, per batch size
         lines.append("served speedup (vLLM, measured): " + "; ".join(
             f"{n} " + ", ".join(f"x{_f(x, '.2f')} at batch {b}" for b, x in per.items())

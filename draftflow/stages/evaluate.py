@@ -150,7 +150,7 @@ def render_report(stats: dict[str, Any], cfg: RunConfig) -> str:
                   for fmt, r in stats["vllm"].items()]
     if stats.get("served"):  # tokens/s with and without each method, measured in vLLM
         lines += ["", *render_served(stats["served"], proposer_taus(stats, cfg.drafter.kind))]
-    if "categories" in stats:  # categories, baselines, projected speedup and their plots
+    if "categories" in stats:  # categories, baselines, predicted speedup and their plots
         lines += ["", evaluation_markdown(stats, drafter_spec(cfg.drafter.kind).title).rstrip()]
     if "ddtree" in stats:
         lines += render_ddtree(stats["ddtree"])

@@ -245,7 +245,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
     return rc, time.monotonic() - start
 
 
-# The evaluate stage's reports hold this machine's measured step times (the projected speedup: a
+# The evaluate stage's reports hold this machine's measured step times (the predicted speedup: a
 # measurement, like a log line), so two runs of the same code differ there and nowhere else. The
 # comparisons leave out exactly those: `speedup` and `phase_seconds` (the stage's wall time per phase) in
 # report.json, `speedup` in the manifest's headline, report.md
