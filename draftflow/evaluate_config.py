@@ -24,7 +24,8 @@ class GateConfig(Section):
 
     min_tau: float | None = Field(None, ge=1.0, description="fail below this mean acceptance length")
     min_speedup: float | None = Field(
-        None, gt=0.0, description="fail below the drafter's predicted speedup at its best setting (report.json speedup.predicted)"
+        None, gt=0.0,
+        description="fail below the drafter's predicted speedup at its best setting (report.json speedup.predicted)",
     )
     max_regression: float | None = Field(
         None,

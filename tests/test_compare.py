@@ -18,7 +18,7 @@ NEW = {
     **STATS,
     "categories": {"chat": {"tau": 2.5, **STATS}, "code": {"tau": 3.25, **STATS}, "math": {"tau": 2.0, **STATS}},
     "baselines": {"no_draft": {"tau": 1.0, **STATS}, "prompt_lookup": {"tau": 1.4, **STATS}},
-    "speedup": {"target_step_s": 0.02, "drafter_step_s": 0.004, "predicted": 1.93, "drafter_setting": "dflash:k=3", "device": "cpu"},
+    "speedup": {"target_step_s": 0.02, "predicted": 1.93, "drafter_setting": "dflash:k=3", "device": "cpu"},
     "ddtree": {
         "16": {"tau": 3.5, "steps": 2, "nodes": 16},
         "4": {"tau": 3.0, "steps": 2, "nodes": 4},

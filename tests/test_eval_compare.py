@@ -266,7 +266,8 @@ def test_the_prediction_picks_fewer_drafts_when_later_ones_are_rarely_accepted()
              "proposer_step_s": {"drafter": 0.8}, "positions_verified": 8}
     steep = speedup.speedups(costs, [speedup.Candidate("drafter", "dflash", [0.26, 0.04, 0.006] + [0.0] * 4,
                                                                   "block")])
-    assert steep["drafter_setting"] == "dflash:k=1" and steep["predicted"] == pytest.approx(1.26 / (1.1 + 0.2), rel=1e-3)
+    assert steep["drafter_setting"] == "dflash:k=1"
+    assert steep["predicted"] == pytest.approx(1.26 / (1.1 + 0.2), rel=1e-3)
     assert steep["choice"]["setting"] == "plain" and steep["choice"]["best_speculative"] == "dflash:k=1"
     strong = speedup.speedups(costs, [speedup.Candidate("drafter", "dflash", [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3],
                                                         "block")])
@@ -279,9 +280,9 @@ def test_report_sections_plots_and_console_lines(measured, tmp_path):
     # console line is the one a sane measurement prints; the withheld line is tested on its own above
     K = len(stats["acceptance_rate"])
     costs = stats["speedup"] | {"target_step_s": 1e-2, "verify_s": {k: 1e-2 + 1e-3 * k for k in range(1, K + 1)}}
+    lookup = stats["baselines"]["prompt_lookup"]["acceptance_rate"]
     candidates = [speedup.Candidate("drafter", "dflash", stats["acceptance_rate"], "block"),
-                  speedup.Candidate("prompt_lookup", "prompt_lookup", stats["baselines"]["prompt_lookup"]["acceptance_rate"],
-                                    "free")]
+                  speedup.Candidate("prompt_lookup", "prompt_lookup", lookup, "free")]
     stats["speedup"] = speedup.speedups(costs, candidates)
     stats["plots"] = draw_plots(stats, tmp_path)
     assert all((tmp_path / p).read_bytes().startswith(b"\x89PNG") for p in stats["plots"])

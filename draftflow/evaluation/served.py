@@ -1,16 +1,16 @@
 """Served speedup, measured: the target in vLLM with and without each speculative method, timed.
 
-The predicted speedup (`draftflow.evaluation.speedup`) comes from step costs timed in transformers,
-which on a small target are mostly framework overhead. This module measures what a server delivers: vLLM decodes the same
-eval prompts greedily (i) plainly, (ii) with the drafter's vLLM-native export and (iii) with vLLM's
-n-gram prompt lookup, each at batch 1 and batch 8 (`evaluate.served_batches`), and reports output
-tokens per second, the ratio to plain decoding at the same batch size, vLLM's acceptance length
-overall, per category and per draft position, and whether every method's text equals plain
-decoding's (lossless, per batch size).
+The predicted speedup (`draftflow.evaluation.speedup`) comes from step costs timed in transformers, which on a
+small target are mostly framework overhead. This module measures what a server delivers: vLLM decodes the same
+eval prompts greedily (i) plainly, (ii) with the drafter's vLLM-native export and (iii) with vLLM's n-gram
+prompt lookup, each at batch 1 and batch 8 (`evaluate.served_batches`), and reports output tokens per second,
+the ratio to plain decoding at the same batch size, vLLM's acceptance length overall, per category and per draft
+position, and whether every method's text equals plain decoding's (lossless, per batch size).
 
-What it does not know: stores, exports' contents or report layout (`render` only formats this
-record). Trade-off: each method is one engine start plus two decodes of the prompts (minutes on
-a CPU); the figures are this machine's under its current load and are not fingerprinted content.
+What it does not know: stores, exports' contents or report layout (`render` only formats this record).
+Trade-off:
+ each method is one engine start plus two decodes of the prompts (minutes on a CPU); the figures are this
+machine's under its current load and are not fingerprinted content.
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def speedups(costs: dict[str, Any], candidates: list[Candidate]) -> dict[str, An
     proposers = {c.name: serve_choice.Proposer(c.label, list(c.acceptance), serve_choice.drafting_costs(
         costs["proposer_step_s"].get(c.name, 0.0), len(c.acceptance), c.how)) for c in candidates if c.acceptance}
     withheld = sanity(costs)
-    best: dict[str, tuple[str, float] | None] = dict.fromkeys((c.name for c in candidates))
+    best: dict[str, tuple[str, float] | None] = dict.fromkeys(c.name for c in candidates)
     choice = None
     if not withheld and verify:
         bcosts = serve_choice.Costs(step, verify)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from draftflow.config import EvaluateConfig
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation import speedup
 from draftflow.evaluation.baselines import Baseline, NoDraft, make_baselines
 from draftflow.evaluation.cached import speculative_generate_cached
@@ -31,7 +32,6 @@ from draftflow.evaluation.decode import (
     propose,
     speculative_generate,
 )
-from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation.selection import row_category, select
 
 __all__ = ["add_comparisons", "proposer_taus", "row_category", "run_baselines", "select", "split_stats", "with_counts"]

@@ -252,8 +252,8 @@ def train_drafter(
         objective.loss_tokens = vocab.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
     run = _Run(drafter, opt, sched, train_set, tcfg, objective, total, out_dir, meta, device, env,
-               train_set.lengths if held else lengths, hooks or Hooks(), threads.chooser_for(device, env.local_world), held,
-               _eval_every(tcfg, total) if held else 0)
+               train_set.lengths if held else lengths, hooks or Hooks(),
+               threads.chooser_for(device, env.local_world), held, _eval_every(tcfg, total) if held else 0)
     state: dict[str, Any] = {"step": 0, "history": [], "window": [], "skipped": 0}
     ckpt = resumable_checkpoint(out_dir) if resume else None
     if ckpt is not None:
