@@ -8,9 +8,8 @@ the ratio to plain decoding at the same batch size, vLLM's acceptance length ove
 position, and whether every method's text equals plain decoding's (lossless, per batch size).
 
 What it does not know: stores, exports' contents or report layout (`render` only formats this record).
-Trade-off:
- each method is one engine start plus two decodes of the prompts (minutes on a CPU); the figures are this
-machine's under its current load and are not fingerprinted content.
+Trade-off: each method is one engine start plus two decodes of the prompts (minutes on a CPU); the figures are
+this machine's under its current load and are not fingerprinted content.
 """
 
 from __future__ import annotations
