@@ -54,7 +54,7 @@ def train_variant(store, cfg, target, features) -> dict[str, Any]:
     from draftflow.feature_stream import open_features
     from draftflow.target import load_target
     from draftflow.training.job import drafter_config, loss_tokens
-    from draftflow.training.loop import Vocab, train_drafter
+    from draftflow.training.loop import Start, train_drafter
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
@@ -62,7 +62,7 @@ def train_variant(store, cfg, target, features) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         m = train_drafter(source, model, dcfg, cfg.train, out, resume=False,
-                          vocab=Vocab(vocab, loss_tokens(store, cfg, features)))
+                          start=Start(vocab, loss_tokens(store, cfg, features)))
         took = time.perf_counter() - start
     history = m.get("heldout") or []
     best = max(history, key=lambda h: h["tau"] or 0.0) if history else {}

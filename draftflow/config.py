@@ -232,6 +232,9 @@ NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device"
 # summation order (ddp and fsdp alike), and a checkpoint resumes under any of them.
 NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoint", "train.launcher",
                       "train.parallel", "train.timeout_s", "train.collective_timeout_s"}
+# A warm start enters the train fingerprint by the content of the drafter it names (`draftflow.training.warm`),
+# not by the name: `promoted` and the same drafter's folder are one training.
+NOT_FINGERPRINTED |= {"train.init_from"}
 
 
 def _format_validation_error(err: ValidationError, origin: str) -> str:

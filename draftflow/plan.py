@@ -70,6 +70,10 @@ def preflight(cfg: RunConfig) -> TargetRef:
     from draftflow.evaluation.compare_with import check_compare_with
 
     check_compare_with(cfg.root, cfg.evaluate.compare_with, target.fingerprint, target.path)  # exist, same target
+    if cfg.train.init_from:  # the drafter a warm start names is there (its fit is checked when training loads it)
+        from draftflow.training.warm import resolve
+
+        resolve(cfg.root, cfg.train.init_from)
     from draftflow.evaluation.selection import check_categories
 
     check_categories(cfg.curate, cfg.evaluate)  # evaluate.categories names ones a source can give

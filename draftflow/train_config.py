@@ -67,6 +67,9 @@ class TrainConfig(Section):
         "acceptance while training, the best checkpoint (docs/stages.md 'Recipes')")
     init_from_target: bool | None = Field(None, description="start the drafter's decoder layers from the target's "
                                           "last ones (tensors of matching name and shape); null = the recipe's")
+    init_from: str | None = Field(
+        None, description="warm start: every drafter weight from an export folder, a run root (its promoted "
+        "drafter) or 'promoted' (this root's); same kind, shape, taps and vocabulary (draftflow.training.warm)")
     eval_every: int | Literal["auto", "off"] | None = Field(
         None, description="measure acceptance on held-out sequences every N steps (teacher-forced); auto = 20 times "
         "a run; off = never; null = the recipe's (paper: off, draftflow: auto)")

@@ -273,7 +273,19 @@ def cmd_status(args) -> int:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['state']:<9} rows {s['rows_in']:>7} -> {s['rows_out']:<7} "
               f"tokens {_num(s['tokens']):>11}  {_size(s['bytes']):>10}  dropped {dropped}  {s['path']}")
+        warm = (s["manifest"].extra or {}).get("init_from") if s["stage"] == "train" else None
+        if warm:
+            print(f"  {'':<11} {'':<9} {_warm(warm)}")
     return 0
+
+
+def _warm(w: dict) -> str:
+    """A warm-started train stage: what it started from, and whether that drafter was trained for another target."""
+    text = f"warm-started from {w['name']} (drafter {w['digest'][:12]})"
+    if w.get("target_changed"):
+        text += (f"; that drafter was trained for target {str(w['trained_for'])[:16]}, this run's target is another "
+                 "revision")
+    return text
 
 
 def _progress(p: dict) -> str:

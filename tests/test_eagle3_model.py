@@ -30,7 +30,7 @@ from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
 from draftflow.training.checkpoint import latest_checkpoint
-from draftflow.training.loop import Vocab, train_drafter
+from draftflow.training.loop import Start, train_drafter
 from tests.conftest import preempt_training
 from tests.mutants import put_back
 
@@ -235,9 +235,9 @@ def tcfg(**kw) -> TrainConfig:
 
 def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, samples, ecfg, vocab):
     head = target.lm_head.weight.clone()
-    first = train_drafter(samples, target, ecfg, tcfg(max_steps=1), str(tmp_path / "one"), vocab=Vocab(vocab))
+    first = train_drafter(samples, target, ecfg, tcfg(max_steps=1), str(tmp_path / "one"), start=Start(vocab))
     m = train_drafter(samples, target, ecfg, tcfg(max_steps=60, checkpoint_every=1000), str(tmp_path),
-                      vocab=Vocab(vocab))
+                      start=Start(vocab))
     assert m["steps"] == 60 and m["skipped_sequences"] == 0
     # Soft targets of a random target are nearly uniform: the cross entropy's floor is their entropy,
     # so the loss moves little; the agreement with the target's argmax is what training buys.
@@ -250,20 +250,20 @@ def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, sam
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):
-    full = train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "a"), vocab=Vocab(vocab))
+    full = train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "a"), start=Start(vocab))
     restore = preempt_training(monkeypatch, at=7)  # dies during step 7, after the step-4 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):
-        train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), vocab=Vocab(vocab))
+        train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), start=Start(vocab))
     assert latest_checkpoint(tmp_path / "b").name == "step_00000004"
     restore()
-    assert train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), vocab=Vocab(vocab)) == full
+    assert train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "b"), start=Start(vocab)) == full
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     t2d = vocab[1].clone()  # another draft vocabulary (one token swapped) is another run
     t2d[t2d.nonzero()[0]], t2d[(~t2d).nonzero()[0]] = False, True
     other = (t2d.nonzero().squeeze(1) - torch.arange(VD), t2d)
     with pytest.raises(ConfigError, match="different settings"):
-        train_drafter(samples, target, ecfg, tcfg(max_steps=12), str(tmp_path / "b"), vocab=Vocab(other))
+        train_drafter(samples, target, ecfg, tcfg(max_steps=12), str(tmp_path / "b"), start=Start(other))
 
 
 # ----------------------------------------------------------------------------- export

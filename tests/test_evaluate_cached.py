@@ -22,7 +22,7 @@ from draftflow.errors import LosslessError
 from draftflow.evaluation import cached, decode
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL
-from draftflow.training.loop import Vocab, train_drafter
+from draftflow.training.loop import Start, train_drafter
 from tests.conftest import MASK_ID, B
 
 TAPS = [1, 2, 3]
@@ -79,7 +79,7 @@ def trained(tmp_path_factory, target, samples):
     dflash_samples = [FeatureSample(s.sample_id, s.input_ids, s.loss_mask, s.hidden[:, :3]) for s in samples]
     return {
         "dflash": DFlashDrafter.load(_train(tmp_path_factory, target, dcfg, dflash_samples), target).eval(),
-        "eagle3": Eagle3Drafter.load(_train(tmp_path_factory, target, ecfg, samples, vocab=Vocab(vocab)),
+        "eagle3": Eagle3Drafter.load(_train(tmp_path_factory, target, ecfg, samples, start=Start(vocab)),
                                      target).eval(),
     }
 

@@ -13,7 +13,7 @@ from draftflow.drafters.dflash.objective import DFlashObjective
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.model import Eagle3Drafter
 from draftflow.models.weights import init_from_target_layers
-from draftflow.training.loop import Vocab, train_drafter
+from draftflow.training.loop import Start, train_drafter
 from tests.conftest import MASK_ID, greedy_samples
 from tests.test_train import tcfg, weights
 
@@ -60,7 +60,7 @@ def test_sampled_softmax_scores_fewer_rows_and_still_trains(tmp_path, target, dc
     assert logits.shape[-1] == b.vocab.numel() < dcfg.vocab_size
     loss_tokens = torch.unique(torch.cat([s.input_ids for s in samples]))
     m = train_drafter(samples, target, dcfg, tcfg(max_steps=12, sampled_softmax=32), str(tmp_path / "s"),
-                      vocab=Vocab(loss_tokens=loss_tokens))
+                      start=Start(loss_tokens=loss_tokens))
     train_drafter(samples, target, dcfg, tcfg(max_steps=12), str(tmp_path / "p"))
     assert m["loss"] < m["first_loss"]
     assert not torch.equal(weights(tmp_path / "s")["fc.weight"], weights(tmp_path / "p")["fc.weight"])

@@ -80,6 +80,15 @@ def _compare_with_inputs(cfg: RunConfig) -> dict[str, str]:
     return {"compare_with": fingerprint_input(cfg.root, cfg.evaluate.compare_with)}
 
 
+def _train_inputs(cfg: RunConfig) -> dict[str, str]:
+    """Train: the content of the drafter `train.init_from` warm-starts from (a newly promoted one re-runs train)."""
+    if not cfg.train.init_from:
+        return {}
+    from draftflow.training.warm import fingerprint_input
+
+    return fingerprint_input(cfg.root, cfg.train.init_from)
+
+
 def _tokenize_inputs(cfg: RunConfig) -> dict[str, str]:
     """Tokenize: the fewest supervised tokens a sequence keeps (`tokenize.min_supervised_tokens`, else the drafter
     kind's rule), as a value: kinds that need the same share one tokenize stage."""
@@ -183,7 +192,8 @@ _REGISTRY: list[StageSpec] = _chained([
               libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"),
               more_inputs=_extract_inputs, unit="sequences"),
     StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
-              libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), unit="sequences"),
+              libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), more_inputs=_train_inputs,
+              unit="sequences"),
     StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",
               gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),

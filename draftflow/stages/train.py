@@ -80,12 +80,16 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
     # not depend on where the root lives; the serve lines the CLI prints carry the absolute path.
     served_from = {fmt: f"{ROOT_PLACEHOLDER}/{STAGE}/{fp}/{rel}" for fmt, rel in exports.items()}
     written = write_outputs(out, metrics, trained.target_config, portable_target_name(cfg.target.path, target.path),
-                            cfg.drafter.kind, served_from, trained_on(cfg))
+                            cfg.drafter.kind, served_from, trained_on(cfg, target.fingerprint))
     files = [commit_file(store, fp, out, f, f).to_json() for f in written]
     results = [ShardResult(shard=None, rows_in=trained.rows, rows_out=trained.rows)]
     results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
     extra = {"checkpoint": "checkpoint", "metrics": metrics, "trained_tokens": tokens, "features": cfg.extract.mode,
              "export": exports, "files": files}
+    if cfg.train.init_from:  # the warm start, and whether the target changed since that drafter was trained
+        from draftflow.training.warm import manifest_note, resolve
+
+        extra["init_from"] = manifest_note(resolve(cfg.root, cfg.train.init_from), target.fingerprint)
     manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
     # The stage is complete: its resume copies (checkpoints, the launch folder) are no longer needed.
     if mirror and store.fs.exists(store.stage_path(STAGE, fp, "work")):
@@ -162,10 +166,12 @@ def commit_file(store: Store, fp: str, out: str, local: str, name: str) -> Shard
         return shard_entry(name, tmp, rows=0)
 
 
-def trained_on(cfg: RunConfig) -> dict[str, Any]:
+def trained_on(cfg: RunConfig, target_fingerprint: str) -> dict[str, Any]:
     """What each export records of its training (`draftflow.drafters.export.TRAINED_ON_NAME`): the features' storage
-    dtype and mode, so an evaluation of the export alone rounds its features as they were in training."""
-    return {"extract_dtype": cfg.extract.dtype, "features": cfg.extract.mode, "drafter": cfg.drafter.kind}
+    dtype and mode, so an evaluation of the export alone rounds its features as they were in training; the target's
+    fingerprint, so a warm start from it (`train.init_from`) and `draftflow status` see a newer target revision."""
+    return {"extract_dtype": cfg.extract.dtype, "features": cfg.extract.mode, "drafter": cfg.drafter.kind,
+            "target": target_fingerprint}
 
 
 def write_outputs(out: str, metrics: dict[str, Any], target_config: Any, target_name: str,

@@ -100,12 +100,27 @@ def draft_vocab(store: Store, features: FeatureSource, choose, size: int,
     return torch.tensor(d2t, dtype=torch.int64), torch.tensor(t2d, dtype=torch.bool)
 
 
-def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: FeatureSource):
-    """(the drafter config of `drafter.kind`, the draft vocabulary (d2t, t2d) for kinds that choose one else None)."""
+def warm_start(cfg: RunConfig, model) -> Any:
+    """`train.init_from`'s drafter, loaded around the target (`draftflow.training.warm`), or None."""
+    if not cfg.train.init_from:
+        return None
+    from draftflow.training import warm
+
+    init = warm.resolve(cfg.root, cfg.train.init_from)
+    log.info("warm start from %s (%s)", init.folder, init.digest[:12])
+    return init, warm.load(init, model)
+
+
+def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: FeatureSource, init: Any = None):
+    """(the drafter config of `drafter.kind`, the draft vocabulary (d2t, t2d) for kinds that choose one else None).
+
+    A warm start (`init`: `warm_start`'s) keeps its drafter's draft vocabulary: its head is trained over that one."""
     check_drafter(cfg.drafter)
     spec = drafter_spec(cfg.drafter.kind)
     vocab = None
-    if spec.draft_vocab:
+    if spec.draft_vocab and init is not None and hasattr(init[1], "d2t"):
+        vocab = (init[1].d2t.detach().clone(), init[1].t2d.detach().clone())
+    elif spec.draft_vocab:
         vocab = draft_vocab(store, features, spec.draft_vocab, cfg.drafter.draft_vocab_size, model.config.vocab_size)
     rows = model.get_input_embeddings().num_embeddings
     mask = mask_token_id(tokenizer, rows) if spec.mask_token and cfg.drafter.mask_token_id is None else None
@@ -147,15 +162,16 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     The in-process path, and what each torchrun rank runs (`draftflow.training.launch`). With
     `mirror` (remote roots), every checkpoint is also copied there (`push_checkpoint`).
     """
-    from draftflow.training.loop import Hooks, Vocab, train_drafter
+    from draftflow.training.loop import Hooks, Start, train_drafter
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
-    dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
+    init = warm_start(cfg, model)
+    dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features, init)
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
     hooks = Hooks(on_checkpoint=push, on_heldout=publish_heldout)
-    metrics = train_drafter(samples, model, dcfg, cfg.train, out, vocab=Vocab(vocab, loss_tokens(store, cfg, features)),
-                            hooks=hooks)
+    start = Start(vocab, loss_tokens(store, cfg, features), init)
+    metrics = train_drafter(samples, model, dcfg, cfg.train, out, start=start, hooks=hooks)
     return Trained(metrics, model.config, len(samples), tokens)
 
 

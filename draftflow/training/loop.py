@@ -178,11 +178,15 @@ def _run_meta(samples: list[FeatureSample], dcfg, tcfg: TrainConfig, draft_vocab
 
 
 @dataclass(frozen=True)
-class Vocab:
-    """Vocabularies training takes from tokenize's token counts (chosen by `draftflow.training.job`)."""
+class Start:
+    """What a run starts from besides its samples and config (chosen by `draftflow.training.job`): the vocabularies
+    taken from tokenize's token counts, and a warm start."""
 
     draft: tuple[torch.Tensor, torch.Tensor] | None = None  # EAGLE-3: (d2t, t2d), its draft vocabulary
     loss_tokens: torch.Tensor | None = None  # DFlash, train.sampled_softmax: the token ids always scored
+    # train.init_from: (`warm.InitDrafter`, the drafter loaded from it); every weight starts from its (checked to
+    # fit first), and train.init_from_target is then not applied
+    init: tuple[Any, Any] | None = None
 
 
 def _sample_ids(samples) -> list[str]:
@@ -197,7 +201,7 @@ def _take(samples, idx: list[int]) -> list[FeatureSample]:
 
 def train_drafter(
     samples: list[FeatureSample], target_model, dcfg: Any, tcfg: TrainConfig, out_dir: str,
-    resume: bool = True, vocab: Vocab | None = None, hooks: Hooks | None = None,
+    resume: bool = True, start: Start | None = None, hooks: Hooks | None = None,
 ) -> dict:
     """Train a drafter of the kind `dcfg` (a kind's drafter config) names; checkpoint and resume in `out_dir`.
 
@@ -212,7 +216,7 @@ def train_drafter(
             (`model.safetensors`, `config.json`, loadable by the drafter class's `load`)
             and `metrics.json`.
         resume: continue from the newest checkpoint in `out_dir` when there is one.
-        vocab: the vocabularies chosen from tokenize's counts (`Vocab`): EAGLE-3's draft vocabulary,
+        start: the vocabularies chosen from tokenize's counts and a warm start (`Start`): EAGLE-3's draft vocabulary,
             DFlash's always-scored tokens under `train.sampled_softmax`.
         hooks: called on rank 0 with each complete checkpoint folder (e.g. to copy it to the run
             root, so a run on another machine resumes from it) and with the held-out history after
@@ -231,11 +235,16 @@ def train_drafter(
     if device.type == "cuda" and env.world_size > 1:
         device = torch.device("cuda", env.local_rank)
     torch.manual_seed(tcfg.seed)  # drafter init, identical on every rank
-    vocab = vocab or Vocab()
-    draft_vocab = vocab.draft
+    start = start or Start()
+    draft_vocab, init = start.draft, start.init
     spec = spec_for_architecture(dcfg.architecture)
     drafter = spec.build(dcfg, target_model, draft_vocab)
-    if tcfg.init_from_target:  # before sharding; a resumed run then loads its checkpoint over it
+    if init is not None:  # before sharding; a resumed run then loads its checkpoint over it
+        from draftflow.training.warm import check_and_state
+
+        drafter.load_state_dict(check_and_state(init[0], init[1], drafter), strict=False)
+        logger.info("drafter weights warm-started from %s", init[0].folder)
+    elif tcfg.init_from_target:  # before sharding; a resumed run then loads its checkpoint over it
         copied = init_from_target_layers(drafter, target_model)
         logger.info("drafter layers initialised from the target's last %d: %d tensors copied",
                     len(drafter.decoder_layers()), len(copied))
@@ -248,8 +257,8 @@ def train_drafter(
     total = total_steps(len(train_set), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
     objective = spec.objective(dcfg, tcfg)
-    if vocab.loss_tokens is not None:
-        objective.loss_tokens = vocab.loss_tokens
+    if start.loss_tokens is not None:
+        objective.loss_tokens = start.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)
     run = _Run(drafter, opt, sched, train_set, tcfg, objective, total, out_dir, meta, device, env,
                train_set.lengths if held else lengths, hooks or Hooks(),
