@@ -107,7 +107,6 @@ def test_another_kind_shape_or_taps_is_refused_in_one_line(trained, target, dcfg
         assert "\n" not in str(err.value)
     from draftflow.drafters.eagle3.config import Eagle3Config
     from draftflow.drafters.eagle3.model import Eagle3Drafter
-
     from draftflow.drafters.eagle3.vocab import draft_vocab
 
     ecfg = Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=[1, 3, 4]), 64)
