@@ -82,14 +82,16 @@ def preflight(cfg: RunConfig) -> TargetRef:
 
 def check_root(root: str, free=None) -> None:
     """The run root can be written: a known protocol; locally, its nearest existing folder is a writable
-    folder with at least MIN_FREE_BYTES free. Writes nothing (an object store is checked by the run lock)."""
+    folder with at least MIN_FREE_BYTES free; an object store answers a listing of it (writes are checked by the run
+    lock). Writes nothing."""
     if "://" in root and not root.startswith("file://"):
         import fsspec
 
         try:
-            fsspec.core.url_to_fs(root)
+            fs, path = fsspec.core.url_to_fs(root)
         except (ValueError, ImportError) as exc:  # unknown protocol, or its package is not installed
             raise ConfigError(f"root {root}: {exc}; use a local folder or s3://bucket/prefix") from None
+        _list_remote(root, fs, path)
         return
     path = Path(root.removeprefix("file://")).expanduser().absolute()
     near = next(p for p in (path, *path.parents) if p.exists())
@@ -102,6 +104,19 @@ def check_root(root: str, free=None) -> None:
     if avail is not None and avail < MIN_FREE_BYTES:
         raise ConfigError(f"root {root} has {human_bytes(avail)} free (a run needs at least "
                           f"{human_bytes(MIN_FREE_BYTES)} before extract's features); free space or move root")
+
+
+def _list_remote(root: str, fs, path: str) -> None:
+    """List the root once. A request with a body tells why S3 refuses (InvalidAccessKeyId, SignatureDoesNotMatch,
+    AccessDenied, NoSuchBucket); the HEAD requests a run starts with get a bare 403 that cannot tell a wrong key
+    from a bucket policy."""
+    from draftflow.store import storage_cause, storage_error_message
+
+    try:
+        fs.ls(path, detail=False)
+    except Exception as exc:  # noqa: BLE001  (storage's own exceptions: OSErrors and botocore's)
+        if storage_cause(exc) in ("credentials", "permission"):  # what the user must fix; the rest (a new prefix,
+            raise ConfigError(storage_error_message(exc, root)) from None  # a 5xx) is the run's to meet
 
 
 def _check_curate_tokenizer(cfg: RunConfig) -> None:

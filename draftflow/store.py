@@ -285,12 +285,22 @@ _ERRNO_CAUSES = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EFBIG
                  errno.ENOENT: "not_found", errno.ENOTDIR: "not_found", errno.EISDIR: "not_found",
                  errno.ECONNREFUSED: "endpoint", errno.EHOSTUNREACH: "endpoint", errno.ENETUNREACH: "endpoint"}
 _CREDENTIAL_WORDS = ("credentials", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-                     "InvalidToken", "TokenRefreshRequired")
+                     "InvalidToken", "TokenRefreshRequired", "Access Key Id you provided does not exist",
+                     "request signature we calculated does not match", "security token included in the request is")
 _ENDPOINT_WORDS = ("Could not connect to the endpoint", "EndpointConnectionError", "Invalid endpoint",
                    "Name or service not known", "nodename nor servname")
 # Causes a retry cannot fix: the user must act (free space, permissions, credentials). A file not found
 # mid-stage is left retryable: there it is more often a race (a shard removed under a cached task) than a typo.
 USER_CAUSES = {"no_space", "permission", "credentials"}
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (`__cause__`, else `__context__`), outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain and len(chain) < 8:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
 
 
 def storage_cause(exc: BaseException) -> str | None:
@@ -299,15 +309,17 @@ def storage_cause(exc: BaseException) -> str | None:
     Reads the errno of an OSError (local files; s3fs maps S3's AccessDenied/NoSuchKey to them),
     else botocore's exception names and error codes (which are not OSErrors). None: unclassified.
     """
-    names = {c.__name__ for c in type(exc).__mro__}
-    text = f"{type(exc).__name__}: {exc}"
+    chain = _causes(exc)  # s3fs raises PermissionError from botocore's ClientError: the code S3 sent is in the cause
+    names = {c.__name__ for e in chain for c in type(e).__mro__}
+    text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
     if names & {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"} or any(
             w in text for w in _CREDENTIAL_WORDS):
         return "credentials"
     if names & {"EndpointConnectionError", "ConnectTimeoutError", "InvalidEndpointConfigurationError"} or any(
             w in text for w in _ENDPOINT_WORDS):
         return "endpoint"
-    code = (getattr(exc, "response", None) or {}).get("Error", {}).get("Code")  # botocore ClientError
+    code = next((c for e in chain if (c := (getattr(e, "response", None) or {}).get("Error", {}).get("Code"))),
+                None)  # botocore ClientError
     if code in ("AccessDenied", "403", "AllAccessDisabled"):
         return "permission"
     if code in ("NoSuchBucket", "NoSuchKey", "404"):
@@ -326,8 +338,9 @@ _HINTS = {
                   "bucket's policy must allow it)",
     "not_found": "it does not exist; check the path (root, curate.sources[].path, target.path) and, for s3://, "
                  "the bucket name",
-    "credentials": "no valid credentials; for s3:// set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-                   "AWS_PROFILE) in the environment",
+    "credentials": "the credentials were refused or are missing (S3 does not know the access key, or the secret "
+                   "or token does not match it); for s3:// set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                   "AWS_PROFILE) in the environment to a key the endpoint knows",
     "endpoint": "the endpoint cannot be reached; check AWS_ENDPOINT_URL (or the network) for s3://",
 }
 _UNKNOWN_HINT = "check the path and, for s3://, the AWS credentials and AWS_ENDPOINT_URL"

@@ -2,7 +2,10 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from draftflow.export_readme import serve_entry
 from draftflow.stages.registry import stage_names
@@ -76,6 +79,42 @@ def test_s3_root_without_credentials_is_one_line(tmp_path):
                           timeout=300, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "draftflow: error: storage refused the request" in proc.stderr
+
+
+def test_s3_that_does_not_know_the_access_key_is_named_as_credentials(tmp_path):
+    """A real S3-compatible server (moto, in its own process) that checks keys: S3 answers InvalidAccessKeyId, which
+    s3fs turns into a PermissionError; the line must name the credentials, not "make it writable"."""
+    import os
+    import socket
+
+    pytest.importorskip("moto.server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              env=os.environ | {"INITIAL_NO_AUTH_ACTION_COUNT": "0"},  # moto checks every key
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env |= {"AWS_ACCESS_KEY_ID": "AKIANOSUCHKEY0000000", "AWS_SECRET_ACCESS_KEY": "wrong",
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        deadline = time.monotonic() + 120  # the server's start, not a timing under test
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        proc = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "configs/tiny.yaml", "--set",
+                               "root=s3://draftflow-bucket/run"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300, env=env)
+    finally:
+        server.kill()
+        server.wait()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("draftflow: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "credentials were refused" in errors[0] and "make it writable" not in errors[0], errors[0]
 
 
 def test_status_of_a_folder_without_a_run_is_one_line(tmp_path):
