@@ -46,6 +46,10 @@ def _prefect_settings() -> None:
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftflow")
     # No telemetry from an offline machine (its failures only add error lines to the log).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A PREFECT_HOME that cannot be made is one line of ours (`tempserver.check_home`), not Prefect's warnings too.
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory")
 
 
 def _cpu_threads() -> None:

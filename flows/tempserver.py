@@ -35,6 +35,9 @@ from draftflow.errors import DraftflowError
 # What Prefect's own temporary server gets besides the caller's settings: no UI, no background services.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 PORT_TAKEN = 3  # the exit code Prefect relaunches on (another process took the port): done the same here
+# uvicorn also exits with 3 when the app fails to start (e.g. its database cannot be opened): a few relaunches
+# cover a port race, more would repeat the same failure until the start-up timeout
+RELAUNCHES = 3
 
 
 class TemporaryServer:
@@ -57,12 +60,13 @@ class TemporaryServer:
         """
         import httpx
 
-        deadline = time.monotonic() + timeout
+        deadline, relaunched = time.monotonic() + timeout, 0
         with httpx.Client(timeout=5) as client:
             while time.monotonic() < deadline:
                 code = self.process.poll()
-                if code == PORT_TAKEN:
+                if code == PORT_TAKEN and relaunched < RELAUNCHES:
                     self.port, self.process = _launch(self.env)
+                    relaunched += 1
                 elif code is not None:
                     raise DraftflowError(
                         f"Prefect's temporary server exited with code {code} before it answered; {_REMEDY}"
@@ -124,6 +128,28 @@ def _launch(env: dict[str, str]) -> tuple[int, subprocess.Popen]:
     return port, subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=die_with_parent)
 
 
+def check_home(home) -> None:
+    """The temporary server keeps its database in `PREFECT_HOME`: one that cannot be written is one line now, not a
+    server that fails to start (uvicorn exits, Prefect relaunches it) until the start-up timeout.
+
+    Raises:
+        DraftflowError: the folder cannot be made or written.
+    """
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(home).expanduser()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".draftflow-write-check-"):
+            pass
+    except OSError as exc:
+        raise DraftflowError(
+            f"PREFECT_HOME={folder} cannot be written ({type(exc).__name__}: {exc.strerror or exc}); Prefect keeps "
+            f"its runs' database there: set PREFECT_HOME to a writable folder, or {_REMEDY}"
+        ) from None
+
+
 def die_with_parent() -> None:
     """In a child before exec: ask Linux to SIGTERM it when its parent dies (a no-op elsewhere)."""
     import ctypes
@@ -143,6 +169,7 @@ def start() -> TemporaryServer | None:
     settings = get_current_settings()
     if settings.api.url or not settings.server.ephemeral.enabled:
         return None
+    check_home(settings.home)
     server = TemporaryServer({**os.environ, **SERVER_ENV, **settings.to_environment_variables(exclude_unset=True)})
     logging.getLogger("prefect.server").info("Starting temporary server on %s", server.api_url.removesuffix("/api"))
     return server

@@ -117,6 +117,22 @@ def test_s3_that_does_not_know_the_access_key_is_named_as_credentials(tmp_path):
     assert "credentials were refused" in errors[0] and "make it writable" not in errors[0], errors[0]
 
 
+def test_a_prefect_home_that_cannot_be_written_is_one_line_at_once(tmp_path):
+    """PREFECT_HOME under a file: before, the temporary server failed to open its database, uvicorn exited with the
+    code Prefect relaunches on, and the run gave up after 120 s and 16 tracebacks. Now: one line, no server."""
+    import os
+
+    (tmp_path / "a-file").write_text("")
+    env = os.environ | {"PREFECT_HOME": str(tmp_path / "a-file" / "home")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set",
+                           f"root={tmp_path / 'r'}"], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"draftflow: error: PREFECT_HOME={tmp_path}/a-file/home cannot "
+                                                   "be written"), proc.stderr
+
+
 def test_status_of_a_folder_without_a_run_is_one_line(tmp_path):
     _one_line_error(_cli("status", str(tmp_path)), f"no run found at {tmp_path} (it has no run.json)")
 
