@@ -8,6 +8,7 @@ the library and publishes a count table.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from prefect import get_run_logger, unmapped
 from prefect.artifacts import create_link_artifact, create_table_artifact
 from prefect.futures import as_completed
 
-from draftflow import progress
+from draftflow import interrupt, progress
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.report import location_uri
@@ -74,8 +75,14 @@ def map_shards(task_fn, store: Store, stage: str, shards: list,
         by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
         track(kwargs["cfg"].name, stage, sum(s.rows for s in shards) if by_rows else len(shards),
               "rows" if by_rows else "parts")
-        for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
-            _shard_done(stage, shards[futures.index(f)], f, by_rows)
+        try:
+            for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
+                _shard_done(stage, shards[futures.index(f)], f, by_rows)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # SIGTERM/SIGINT as Prefect raises them (TerminationSignal): the
+                interrupt.request()  # shard tasks in worker threads stop between their batches, not at their end,
+                logging.disable(logging.CRITICAL)  # quietly (the CLI prints the one line, `flows.signals`)
+            raise
         results = [f.result() for f in futures]
         # Recomputed on the same runner (Ray too) and still holding the GPU slot.
         redo = _damaged(store, stage, kwargs["fp"], futures, results, verify)

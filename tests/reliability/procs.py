@@ -217,18 +217,25 @@ def start_and_wait_for_training(env, root: Path, log: Path, steps: str = LONG_TR
                                 ) -> tuple[subprocess.Popen, set[int]]:
     """Start a run of `steps` training steps; return it (and what it has started) once its 2nd training
     checkpoint is on disk (an event, not a sleep, decides when the test acts)."""
-    cmd = [sys.executable, "-m", "flows.cli", *cli_args(str(root), steps)]
+    return start_and_wait_for(env, root, log, lambda: len(list(root.glob("train/*/work/checkpoints/step_*"))) >= 2,
+                              "training checkpointed twice", steps)
+
+
+def start_and_wait_for(env, root: Path, log: Path, ready, what: str, *sets: str) -> tuple[subprocess.Popen, set[int]]:
+    """Start a run (`sets`: its --set overrides); return it (and what it has started) once `ready()` (an event on
+    disk, not a sleep, decides when the test acts)."""
+    cmd = [sys.executable, "-m", "flows.cli", *cli_args(str(root), *sets)]
     fh = open(log, "w")  # noqa: SIM115 - closed by the caller's wait
     proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
                             start_new_session=True)
     proc.log_handle = fh
     end = time.monotonic() + 900
-    while len(list(root.glob("train/*/work/checkpoints/step_*"))) < 2:
+    while not ready():
         if proc.poll() is not None:
-            pytest.fail(f"the run ended before training checkpointed twice:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"the run ended before {what}:\n{log.read_text()[-3000:]}")
         if time.monotonic() > end:
             os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"no 2nd training checkpoint in 900 s:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"not {what} in 900 s:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     return proc, descendants(proc.pid)
 

@@ -12,7 +12,15 @@ import time
 
 import pytest
 
-from tests.reliability.procs import LONG_TRAINING, alive, finish, run_to_end, snapshot_code, start_and_wait_for_training
+from tests.reliability.procs import (
+    LONG_TRAINING,
+    alive,
+    finish,
+    run_to_end,
+    snapshot_code,
+    start_and_wait_for,
+    start_and_wait_for_training,
+)
 
 pytestmark = pytest.mark.reliability
 
@@ -56,6 +64,29 @@ def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_gr
                  if line.startswith("progress: train "))
     assert first.startswith(f"progress: train {step + 1}/200 steps"), first  # its first step is the next one
     print(f"{signal.Signals(sig).name}: exited {took:.1f} s after the signal, at train step {step}")
+
+
+def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(env, tmp_path):
+    """Regenerate used to keep generating until the stage ended (19 s idle for the tiny run, ~60 s busy; hours on a
+    real target, where Kubernetes sends SIGKILL after 30 s). It stops between two batches now: the run ends in one
+    line naming the shard and what was saved, and the re-run resumes from the saved chunks."""
+    root, log = tmp_path / "run", tmp_path / "run.log"
+    longer = ("regenerate.max_new_tokens=96", "regenerate.batch_size=2")  # many short batches, each a few seconds
+    proc, started = start_and_wait_for(env, root, log, lambda: any(root.glob("regenerate/*/partial/*")),
+                                       "regenerate saved a chunk", *longer)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, took = finish(proc, STOP_S)
+    out = log.read_text()
+    assert rc == 128 + signal.SIGTERM, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("draftflow: interrupted (SIGTERM) at regenerate "), out[-3000:]
+    assert "conversations saved" in last and "Traceback" not in out, out[-3000:]
+    assert not alive(started), f"left running after the run ended: {alive(started)}"
+    assert not (root / LOCK).exists() and not any(root.glob("regenerate/*/manifest.json"))
+    assert " ERROR " not in out and "Failed(" not in out, out[-3000:]  # the one line, not a failed task's each
+    run_to_end(env, str(root), tmp_path / "rerun.log", *longer)  # the saved chunks are kept (test_regenerate_resume)
+    assert any(root.glob("regenerate/*/manifest.json"))
+    print(f"SIGTERM in regenerate: exited {took:.1f} s after the signal ({last})")
 
 
 def test_sigkill_of_the_run_leaves_no_process(env, tmp_path):
