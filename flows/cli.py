@@ -199,6 +199,8 @@ def cmd_run(args) -> int:
             print(f"  serve: {summary['serve'][fmt]}")
     if summary.get("serve_note"):  # the serve setting chosen from measured costs, or "serve without speculation"
         print(f"serve setting: {summary['serve_note']}")
+    if summary.get("stale"):  # the promoted drafter (what deployments serve) was trained for an older target
+        print(f"promoted drafter: {summary['stale']}")
     print(f"report: {summary['report']}")
     print(f"wall time {time.time() - start:.1f} s")
     return 0
@@ -262,9 +264,16 @@ def cmd_status(args) -> int:
     if args.overrides and not is_config:
         raise DraftflowError("--set needs the run's config file, not a run folder")
     cfg = load_config(args.run, args.overrides) if is_config else recorded_config(args.run)
-    stages = stage_status(cfg)
+    from draftflow.target import resolve_target
+    from draftflow.training.warm import stale_promoted
+
+    target = resolve_target(cfg.target)
+    stages = stage_status(cfg, target)
     done = sum(s["state"] == "complete" for s in stages)
     print(f"run {cfg.name}  root {cfg.root}  {done}/{len(stages)} stages complete")
+    stale = stale_promoted(cfg.root, target.fingerprint)
+    if stale:
+        print(f"  promoted drafter: {stale}")
     for s in stages:
         if s["state"] != "complete":
             where = s["path"] or "(waits for its inputs)"

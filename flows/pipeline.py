@@ -21,6 +21,7 @@ from draftflow.stages.common import require_rows
 from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines
 from draftflow.store import Store
+from draftflow.training.warm import stale_promoted
 from flows.common import publish_links
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key
@@ -68,6 +69,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
         "serve": serve_lines(Store(cfg.root), trained.manifest, target_path, cfg.target.dtype,  # format -> line
                              cfg.regenerate.vllm, report.get("serve_choice")),
         "serve_note": advice(report.get("serve_choice")),  # what the measured costs chose (None without vLLM)
+        "stale": stale_promoted(cfg.root, trained.manifest.inputs.get("target", "")),  # a promoted drafter's target
         "report": f"{evaluated.path}/{report['report']}",
     }
 

@@ -134,6 +134,15 @@ def test_the_manifest_note_says_when_the_target_is_another_revision(trained):
     assert note["target_changed"] is True and note["trained_for"] == "a" * 16 and note["digest"] == init.digest
 
 
+def test_a_promoted_drafter_of_another_target_revision_is_named(tmp_path, trained):
+    _, export = trained  # its draftflow.json says it was trained for target "a" * 16
+    root = _root_promoting(tmp_path, export)
+    assert warm.stale_promoted(str(root), "a" * 16) is None
+    line = warm.stale_promoted(str(root), "b" * 16)
+    assert f"trained for target {'a' * 16}, the target is now {'b' * 16}" in line and "train/0123456789abcdef" in line
+    assert warm.stale_promoted(str(tmp_path / "no-root"), "b" * 16) is None
+
+
 def test_a_missing_init_drafter_stops_preflight_in_one_line(tmp_path):
     from draftflow.plan import preflight
     from tests.conftest import tiny_config
@@ -172,3 +181,8 @@ def test_a_run_warm_starts_from_the_promoted_drafter_of_its_root(prefect_harness
     capsys.readouterr()
     assert main(["status", str(root)]) == 0
     assert f"warm-started from promoted (drafter {note['digest'][:12]})" in capsys.readouterr().out
+    # A new revision of the target: the promoted drafter is named as trained for the old one.
+    marker_export = root / "train" / warm_fp / "export" / "vllm"
+    (marker_export / "draftflow.json").write_text(json.dumps({"drafter": "dflash", "target": "0" * 16}))
+    assert main(["status", str(root)]) == 0
+    assert "promoted drafter: the promoted drafter" in capsys.readouterr().out

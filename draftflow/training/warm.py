@@ -27,12 +27,13 @@ import logging
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from draftflow.errors import ConfigError
 from draftflow.store import Store, digest
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 PROMOTED_WORD = "promoted"
@@ -171,6 +172,22 @@ def check_and_state(init: InitDrafter, loaded, drafter) -> dict[str, torch.Tenso
             raise ConfigError(f"{what}: weight {k!r} is {tuple(have[k].shape)}, this run's is {tuple(want[k].shape)} "
                               "(another hidden size, vocabulary or drafter shape); match it or unset train.init_from")
     return {k: v.detach().clone() for k, v in have.items()}
+
+
+def stale_promoted(root: str, target_fingerprint: str) -> str | None:
+    """One line when this root's promoted drafter was trained for another target than `target_fingerprint` (a new
+    revision of the target: serve it only after a refresh trains for the new one), else None."""
+    store = Store(root)
+    found = promoted_export(store)
+    if found is None:
+        return None
+    fp, folder = found
+    trained_for = _trained_for(store, folder) if store.exists(folder) else None
+    if not trained_for or trained_for == target_fingerprint:
+        return None
+    return (f"the promoted drafter (train/{fp}) was trained for target {trained_for[:16]}, the target is now "
+            f"{target_fingerprint[:16]}: serve it only after a run trains for this one (train.init_from=promoted "
+            "warm-starts it)")
 
 
 def manifest_note(init: InitDrafter, target_fingerprint: str) -> dict[str, Any]:
