@@ -71,6 +71,8 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--every", type=int, default=10, help="held-out measurement interval (steps)")
+    ap.add_argument("--extract", default=None, help="an extract fingerprint of the root (default: the config's; give "
+                    "it to read features another code version extracted)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from draftflow.config import load_config
@@ -85,7 +87,8 @@ def main() -> None:
 
     cfg = load_config(args.config, [*args.overrides, f"train.eval_every={args.every}", "train.keep=last"])
     store, target = Store(cfg.root), resolve_target(cfg.target)
-    manifest = stage_states(cfg, target.fingerprint)[1].get("extract")
+    manifest = (store.read_manifest("extract", args.extract) if args.extract
+                else stage_states(cfg, target.fingerprint)[1].get("extract"))
     if manifest is None:
         raise SystemExit(f"no complete extract stage for {args.config} in {cfg.root}: run it first")
     features = StoredFeatures(fingerprint=manifest.fingerprint, shards=manifest.data_shards("train"))
@@ -106,9 +109,11 @@ def main() -> None:
             "warm_best_tau": max((h["tau"] or 0.0) for h in warm["heldout"]),
             "seconds": {"promoted": round(t_promoted, 1), "cold": round(t_cold, 1), "warm": round(t_warm, 1)}}
     print(json.dumps(rows))
-    ratio = f"x{warm_at / cold_at:.2f}" if warm_at and cold_at else "- (the warm start did not reach the bar)"
+    steps = cold["steps"]
+    ratio = (f"x{warm_at / steps:.2f} the cold run's {steps} steps (x{warm_at / cold_at:.2f} the steps the cold start "
+             "took to reach it)") if warm_at and cold_at else "- (the warm start did not reach the bar)"
     print(f"\nwarm start reaches the cold drafter's best held-out tau {bar:.4f} at step {warm_at}, the cold start at "
-          f"step {cold_at}: {ratio} the steps")
+          f"step {cold_at}: {ratio}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
