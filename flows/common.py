@@ -25,7 +25,7 @@ from draftflow.stages.common import fingerprint, stage_result, tidy_complete
 from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
 from flows.deploy import gpu_slot
-from flows.keys import artifact_key
+from flows.keys import artifact_key, run_key
 from flows.progress import track
 
 
@@ -73,7 +73,7 @@ def map_shards(task_fn, store: Store, stage: str, shards: list,
     with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
         futures = task_fn.map(shard=shards, **fixed)
         by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
-        track(kwargs["cfg"].name, stage, sum(s.rows for s in shards) if by_rows else len(shards),
+        track(run_key(kwargs["cfg"]), stage, sum(s.rows for s in shards) if by_rows else len(shards),
               "rows" if by_rows else "parts")
         try:
             for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
@@ -122,7 +122,7 @@ def publish_counts(cfg: RunConfig, stage: str, result: StageResult) -> None:
     m = result.manifest
     rows = [{"stage": stage, "status": result.status, "rows_in": m.rows_in, "rows_out": m.rows_out,
              "tokens": m.tokens, "shards": len(m.shards), **{f"dropped:{k}": v for k, v in m.dropped.items()}}]
-    create_table_artifact(table=rows, key=artifact_key(cfg.name, stage, "counts"),
+    create_table_artifact(table=rows, key=artifact_key(run_key(cfg), stage, "counts"),
                           description=f"{stage}: rows in/out and drops by reason ({result.path})")
     get_run_logger().info("%s %s: %d rows in, %d out, dropped %s -> %s", stage, result.status,
                           m.rows_in, m.rows_out, m.dropped or "nothing", result.path)
@@ -131,14 +131,14 @@ def publish_counts(cfg: RunConfig, stage: str, result: StageResult) -> None:
 def publish_links(cfg: RunConfig, links: dict[str, str]) -> None:
     """One link artifact per named output (`<run>-checkpoint`, `<run>-report`)."""
     for what, location in links.items():
-        create_link_artifact(link=location_uri(location), link_text=location, key=artifact_key(cfg.name, what),
+        create_link_artifact(link=location_uri(location), link_text=location, key=artifact_key(run_key(cfg), what),
                              description=f"{cfg.name}: {what}")
 
 
 def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, Any]], description: str) -> None:
     """A table artifact keyed by run, stage and `what` (nothing when there are no rows)."""
     if rows:
-        create_table_artifact(table=rows, key=artifact_key(cfg.name, stage, what), description=description)
+        create_table_artifact(table=rows, key=artifact_key(run_key(cfg), stage, what), description=description)
 
 
 def run_stage(cfg: RunConfig, stage: str, inputs: dict[str, str],

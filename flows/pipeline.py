@@ -24,7 +24,7 @@ from draftflow.store import Store
 from draftflow.training.warm import stale_promoted
 from flows.common import publish_links
 from flows.deploy import gpu_slot
-from flows.keys import artifact_key
+from flows.keys import artifact_key, run_key
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
 from flows.stages import curate_flow, evaluate_flow, extract_flow, sharded_stage_flow, train_flow
@@ -36,7 +36,7 @@ def pipeline(cfg: RunConfig) -> dict:
     """Run (or reuse) every stage, holding the run root's lease; return the stage results and the final figures."""
     with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):  # one run at a time on a root
         record_run(cfg)
-        report_progress(cfg.name)
+        report_progress(run_key(cfg))
         target = prepare_target(cfg)
         results: dict[str, StageResult] = {}
         for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
@@ -85,9 +85,9 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
 
     rows = [{"stage": s["stage"], "status": s["status"], "rows_in": s["rows_in"], "rows_out": s["rows_out"],
              "unit": s["unit"], "dropped": sum(s["dropped"].values()), "path": s["path"]} for s in summary["stages"]]
-    create_table_artifact(table=rows, key=artifact_key(cfg.name, "pipeline"), description="stages of this run")
+    create_table_artifact(table=rows, key=artifact_key(run_key(cfg), "pipeline"), description="stages of this run")
     create_markdown_artifact(
-        key=artifact_key(cfg.name, "result"),
+        key=artifact_key(run_key(cfg), "result"),
         markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {_tau(summary['tau'])}**\n\n"
                  f"- {summary_line(summary.get('gate'))}\n"
                  f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
@@ -190,7 +190,7 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
     preflight(cfg)
     with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):
         record_run(cfg)
-        report_progress(cfg.name)
+        report_progress(run_key(cfg))
         target = prepare_target(cfg)
         results = {} if upstream == "run" else reused_upstream(cfg, target, stage)
         for s in needed(stage) if upstream == "run" else [stage]:

@@ -24,6 +24,7 @@ from draftflow.stages.registry import spec, stage_inputs
 from draftflow.target import TargetRef
 from draftflow.training.metrics import metrics_table
 from flows.common import map_shards, publish_table, reuse, run_stage
+from flows.keys import run_key
 from flows.progress import install
 from flows.runners import StageTaskRunner
 from tasks import curate_tasks as CT
@@ -127,7 +128,7 @@ def every_core():
 @flow(name="train")
 def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
     inputs = _inputs(cfg, "train", target, features)
-    install(cfg.name)  # progress and the held-out document reach the UI from a train flow run on its own too
+    install(run_key(cfg))  # progress and the held-out document reach the UI from a train flow run on its own too
 
     def work(store, fp):
         with every_core():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from draftflow.config import CurateConfig, SourceConfig, load_config
+from flows.keys import run_key
 
 
 def test_curate_flow_scans_parts_as_tasks_and_publishes_source_table(prefect_harness, tmp_path):
@@ -23,5 +24,5 @@ def test_curate_flow_scans_parts_as_tasks_and_publishes_source_table(prefect_har
     assert result.status == "ran" and m.extra["parts"] == 4
     assert m.dropped == {"duplicate": 20} and m.rows_out == 60
     assert curate_flow(cfg).status == "reused"
-    table = Artifact.get("flowtest-curate-sources")
+    table = Artifact.get(f"{run_key(cfg)}-curate-sources")
     assert table is not None and "glob" in str(table.data)

@@ -12,6 +12,7 @@ import pytest
 
 from draftflow.evaluation.gate import GateFailed
 from draftflow.gating import PROMOTED
+from flows.keys import run_key
 from tests.conftest import tiny_config
 
 
@@ -70,7 +71,7 @@ def test_failing_gate_fails_the_flow_then_a_changed_threshold_passes_from_the_ca
 
     again = pipeline(passing)  # the whole run: every stage reused, the gate applied, the result says so
     assert [s["status"] for s in again["stages"]] == ["reused"] * 6 and again["gate"]["promoted"]
-    result_md = Artifact.get(f"{passing.name}-result").data
+    result_md = Artifact.get(f"{run_key(passing)}-result").data
     assert f"promoted: yes (tau {tau:.3f} >= min_tau" in result_md and PROMOTED in result_md
 
     with pytest.raises(GateFailed, match="min_tau"):

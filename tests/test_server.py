@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from draftflow.stages.registry import stage_names
+from flows.keys import run_key
 from tests.conftest import ROOT, tiny_config
 from tests.reliability.procs import wait_healthy
 
@@ -153,23 +154,26 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
             assert client.read_task_run(runs[stage][0].parent_task_run_id).flow_run_id == pipeline_run.id
 
         arts = _artifacts(client)
+        cfg = tiny_config(tmp / "run", f"name={NAME}")  # the run's: the name and a hash of its root (one per root)
+        KEY = run_key(cfg)  # noqa: N806
+        assert KEY.startswith(f"{NAME}-") and KEY != run_key(cfg.model_copy(update={"root": "elsewhere"}))
         for stage in STAGES:
-            (counts,) = arts[f"{NAME}-{stage}-counts"]
+            (counts,) = arts[f"{KEY}-{stage}-counts"]
             assert counts.type == "table" and counts.flow_run_id == runs[stage][0].id
-        (regen,) = arts[f"{NAME}-regenerate-progress"]
+        (regen,) = arts[f"{KEY}-regenerate-progress"]
         assert regen.type == "progress" and float(regen.data) == 100.0
         assert regen.description.startswith("regenerate 43/43 rows")  # its speed shows only after a second
-        assert float(arts[f"{NAME}-train-progress"][0].data) == 100.0
-        (rate,) = arts[f"{NAME}-regenerate-throughput"]
+        assert float(arts[f"{KEY}-train-progress"][0].data) == 100.0
+        (rate,) = arts[f"{KEY}-regenerate-throughput"]
         assert '"rows": 43' in rate.data and '"rows/s"' in rate.data
-        (result,) = arts[f"{NAME}-result"]
+        (result,) = arts[f"{KEY}-result"]
         assert "τ =" in result.data and "P(at least k drafts accepted)" in result.data  # the evaluate report
         pngs = sorted(p.name for s in ("curate", "train", "evaluate") for p in (tmp / "run" / s).rglob("*.png")
                       if "work" not in p.parts)
         assert len(pngs) >= 4 and "prompt_lengths.png" in pngs  # curate's, train's curves, evaluate's plots
         assert result.data.count("data:image/png;base64,") == len(pngs)  # every plot inlined, none twice
         for what in ("checkpoint", "report"):
-            (link,) = arts[f"{NAME}-{what}"]
+            (link,) = arts[f"{KEY}-{what}"]
             target = link.data[link.data.index("(file://") + 8:-1]
             assert Path(target).exists() and target.startswith(str(tmp / "run")), link.data
 
