@@ -6,7 +6,7 @@ the ARCHITECTURE.md diagram; and the per-stage deployment flow, which runs a sta
 
 from __future__ import annotations
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -39,14 +39,20 @@ def pipeline(cfg: RunConfig) -> dict:
         report_progress(run_key(cfg))
         target = prepare_target(cfg)
         results: dict[str, StageResult] = {}
+        log = get_run_logger()
         for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
             results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
+            r = results[stage.name]  # its summary in the pipeline run's own logs too (the UI opens there first)
+            log.info("%s %s: %d %s in, %d out, dropped %s -> %s", stage.name, r.status, r.manifest.rows_in,
+                     spec(stage.name).unit, r.manifest.rows_out, r.manifest.dropped or "nothing", r.path)
             if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
                 require_rows(results[stage.name].manifest)
         flush_progress()  # each stage's last figures reach the UI (sent from a thread: a lost API never blocks)
     stages = [results[s.name] for s in registry()]
     summary = summarize(cfg, stages, target["path"])
     publish_summary(cfg, summary)
+    log.info("mean acceptance length tau = %s%s", _tau(summary["tau"]),
+             f"; serve setting: {summary['serve_note']}" if summary.get("serve_note") else "")
     return summary
 
 

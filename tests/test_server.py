@@ -153,6 +153,13 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
             assert runs[stage][0].parent_task_run_id is not None
             assert client.read_task_run(runs[stage][0].parent_task_run_id).flow_run_id == pipeline_run.id
 
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[pipeline_run.id])))
+        said = [entry.message for entry in logs]  # the pipeline run's own logs: every stage's summary and τ
+        for stage in STAGES:
+            assert any(m.startswith(f"{stage} ran: ") for m in said), said
+        assert any(m.startswith("mean acceptance length tau = ") for m in said), said
         arts = _artifacts(client)
         cfg = tiny_config(tmp / "run", f"name={NAME}")  # the run's: the name and a hash of its root (one per root)
         KEY = run_key(cfg)  # noqa: N806
