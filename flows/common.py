@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, unmapped
-from prefect.artifacts import create_link_artifact, create_table_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 from prefect.futures import as_completed
 
 from draftflow import interrupt, progress
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
-from draftflow.report import location_uri
 from draftflow.stages.common import fingerprint, stage_result, tidy_complete
 from draftflow.stages.registry import stage_gpus
 from draftflow.store import Store
@@ -129,10 +128,17 @@ def publish_counts(cfg: RunConfig, stage: str, result: StageResult) -> None:
 
 
 def publish_links(cfg: RunConfig, links: dict[str, str]) -> None:
-    """One link artifact per named output (`<run>-checkpoint`, `<run>-report`)."""
+    """One artifact per named output (`<run>-checkpoint`, `<run>-report`): a link where a browser can open it
+    (http(s)://), else its location as text (a file:// or s3:// link from the UI's page opens nothing; the
+    report itself is inlined in the `<run>-result` artifact)."""
     for what, location in links.items():
-        create_link_artifact(link=location_uri(location), link_text=location, key=artifact_key(run_key(cfg), what),
-                             description=f"{cfg.name}: {what}")
+        key = artifact_key(run_key(cfg), what)
+        if location.startswith(("http://", "https://")):
+            create_link_artifact(link=location, link_text=location, key=key, description=f"{cfg.name}: {what}")
+            continue
+        on = "store" if "://" in location else "machine"
+        create_markdown_artifact(f"**{what}**: `{location}`\n\n(on the run's {on}; the report is inlined in the "
+                                 f"`{run_key(cfg)}-result` artifact)", key=key, description=f"{cfg.name}: {what}")
 
 
 def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, Any]], description: str) -> None:

@@ -179,10 +179,11 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
                       if "work" not in p.parts)
         assert len(pngs) >= 4 and "prompt_lengths.png" in pngs  # curate's, train's curves, evaluate's plots
         assert result.data.count("data:image/png;base64,") == len(pngs)  # every plot inlined, none twice
-        for what in ("checkpoint", "report"):
-            (link,) = arts[f"{KEY}-{what}"]
-            target = link.data[link.data.index("(file://") + 8:-1]
-            assert Path(target).exists() and target.startswith(str(tmp / "run")), link.data
+        for what in ("checkpoint", "report"):  # a location as text: the UI opens no file:// link from its page
+            (where,) = arts[f"{KEY}-{what}"]
+            assert where.type == "markdown" and "file://" not in where.data, where.data
+            target = where.data.split("`")[1]
+            assert Path(target).exists() and target.startswith(str(tmp / "run")), where.data
 
 
 def test_status_of_the_run_folder_lists_complete_stages_with_counts_and_paths(server, first_run):
