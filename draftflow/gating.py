@@ -29,15 +29,10 @@ from draftflow.errors import DraftflowError
 from draftflow.evalruns import GATE, REPORT, STAGE, Evaluation, eval_set_key, in_root, load, resolve
 from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
+from draftflow.promotion import marker_path
 from draftflow.store import Store
 
-PROMOTED = "promoted.json"
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
-
-
-def marker_path(store: Store, train_fp: str) -> str:
-    """Where the `promoted` marker of the train stage `train_fp`'s export lives."""
-    return store.stage_path("train", train_fp, "export", PROMOTED)
 
 
 def named_baseline(store: Store, gate: GateConfig) -> Evaluation:

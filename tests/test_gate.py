@@ -14,7 +14,8 @@ from draftflow.contracts import Manifest, ShardResult, StageResult
 from draftflow.errors import ConfigError
 from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide
-from draftflow.gating import apply_gate, check_gate, marker_path, raise_if_failed
+from draftflow.gating import apply_gate, check_gate, raise_if_failed
+from draftflow.promotion import marker_path
 from draftflow.stages.common import finalize, fingerprint
 from draftflow.store import Store, shard_entry
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from draftflow.evaluation.gate import GateFailed
-from draftflow.gating import PROMOTED
+from draftflow.promotion import PROMOTED
 from flows.keys import run_key
 from tests.conftest import tiny_config
 

@@ -21,6 +21,8 @@ from draftflow.drafters.dflash.export import export_vllm_dflash
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.export import write_trained_on
 from draftflow.errors import ConfigError
+from draftflow.promotion import PROMOTED, promoted_export
+from draftflow.store import Store
 from draftflow.training import warm
 from draftflow.training.loop import Start, train_drafter
 from tests.conftest import MASK_ID
@@ -42,7 +44,7 @@ def _root_promoting(tmp_path: Path, export: Path, fp: str = "0123456789abcdef") 
     root = tmp_path / "root"
     dest = root / "train" / fp / "export" / "vllm"
     shutil.copytree(export, dest)
-    (dest.parent / warm.MARKER).write_text(json.dumps({"promoted": True}))
+    (dest.parent / PROMOTED).write_text(json.dumps({"promoted": True}))
     return root
 
 
@@ -68,11 +70,11 @@ def test_the_newest_promotion_is_the_promoted_drafter(tmp_path, trained):
     root = _root_promoting(tmp_path, export, "1111111111111111")
     other = root / "train" / "2222222222222222" / "export"
     shutil.copytree(root / "train" / "1111111111111111" / "export", other)
-    marker = other / warm.MARKER
+    marker = other / PROMOTED
     marker.write_text(json.dumps({"promoted": True}))
     older = marker.stat().st_mtime - 60
-    os.utime(root / "train" / "1111111111111111" / "export" / warm.MARKER, (older, older))
-    assert warm.promoted_export(warm.Store(str(root)))[0] == "2222222222222222"
+    os.utime(root / "train" / "1111111111111111" / "export" / PROMOTED, (older, older))
+    assert promoted_export(Store(str(root)))[0] == "2222222222222222"
 
 
 @pytest.mark.parametrize("case", ["nothing", "no_promotion", "deleted"])
@@ -164,7 +166,7 @@ def test_a_run_warm_starts_from_the_promoted_drafter_of_its_root(prefect_harness
     root = tmp_path / "run"
     first = pipeline(tiny_config(root, "evaluate.gate.min_tau=1.0"))
     train_fp = first["stages"][4]["fingerprint"]
-    assert (root / "train" / train_fp / "export" / warm.MARKER).is_file()
+    assert (root / "train" / train_fp / "export" / PROMOTED).is_file()
     cfg = tiny_config(root, "train.init_from=promoted", "evaluate.gate.min_tau=1.0")
     second = pipeline(cfg)
     warm_fp = second["stages"][4]["fingerprint"]

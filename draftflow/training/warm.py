@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftflow.errors import ConfigError
+from draftflow.promotion import PROMOTED, promoted_export
 from draftflow.store import Store, digest
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 PROMOTED_WORD = "promoted"
-MARKER = "promoted.json"  # `draftflow.gating.PROMOTED`: the gate's mark on a train stage's export folder
 
 
 @dataclass(frozen=True)
@@ -61,22 +61,6 @@ class InitDrafter:
 def _is_export(store: Store, folder: str) -> bool:
     fs = store.fs
     return fs.exists(f"{folder}/config.json") and any(p.endswith(".safetensors") for p in fs.ls(folder, detail=False))
-
-
-def promoted_export(store: Store) -> tuple[str, str] | None:
-    """(train fingerprint, its vLLM-native export folder) of the drafter this root's gate promoted last, or None."""
-    train = store.path("train")
-    if not store.exists(train):
-        return None
-    newest: tuple[float, str] | None = None
-    for stage in store.fs.ls(train, detail=False):
-        fp = Path(stage).name
-        marker = store.stage_path("train", fp, "export", MARKER)
-        if store.exists(marker):
-            when = store.fs.modified(marker).timestamp()  # written (or rewritten) by the gate that passed
-            if newest is None or when > newest[0]:
-                newest = (when, fp)
-    return None if newest is None else (newest[1], store.stage_path("train", newest[1], "export", "vllm"))
 
 
 def _sha256(store: Store, path: str) -> str:
@@ -118,8 +102,8 @@ def resolve(root: str, name: str) -> InitDrafter:
                           "there; name an export folder, a run root, or 'promoted'")
     found = promoted_export(store)
     if found is None:
-        raise ConfigError(f"{what}: {store.url(store.base)} has no promoted drafter (no train/*/export/{MARKER}); run "
-                          "it with an evaluate.gate that passes, or name an export folder")
+        raise ConfigError(f"{what}: {store.url(store.base)} has no promoted drafter (no train/*/export/{PROMOTED}); "
+                          "run it with an evaluate.gate that passes, or name an export folder")
     fp, folder = found
     if not store.exists(folder) or not _is_export(store, folder):
         raise ConfigError(f"{what}: the promoted drafter {store.url(folder)} is gone (its files were deleted); "
