@@ -129,6 +129,11 @@ def advice(choice: dict[str, dict] | None) -> str | None:
         for b, c in ordered)
 
 
+# How a proposer's drafting pass scales with k drafts, by its name (`drafting_costs`' `how`): a DFlash block is one
+# pass of k+1 queries in vLLM, EAGLE-3 one pass a draft, n-gram / prompt lookup drafts nothing itself.
+DRAFTING = {"dflash": "block", "eagle3": "chain", "eagle": "chain", "ngram": "free", "prompt_lookup": "free"}
+
+
 def drafting_costs(full_s: float, most: int, how: str) -> dict[int, float]:
     """Seconds of a drafting pass for k = 1..`most` drafts from its measured cost at `most`: "block" (one pass of
     k+1 queries, DFlash in vLLM), "chain" (one pass a draft, EAGLE-3) or "free" (n-gram lookup)."""

@@ -89,7 +89,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
 # 0.32's code: DFlash drafts in one pass of k+1 queries (the bonus token and k masks; v1/spec_decode/dflash.py,
 # any k >= 1 is accepted, the block size is never checked): "block", (k+1)/(K+1) of the measured pass; EAGLE-3
 # runs one pass per draft: "chain", k/K; n-gram lookup searches the prompt: "free".
-DRAFTING = {"dflash": "block", "eagle3": "chain", "eagle": "chain", "ngram": "free"}
+DRAFTING = serve_choice.DRAFTING
 
 
 def _spec_of(export: Path | None, spec: dict[str, Any] | None) -> dict[str, Any]:

@@ -38,8 +38,7 @@ from draftflow.evaluation import serve_choice
 MODEL = "predicted(k) = tau(k) * t_step / (t_verify(k) + t_draft(k)), tau(k) = 1 + a_1 + ... + a_k; best k"
 REPEATS = 7
 WARMUP = 2
-# How each proposer's drafting pass scales with k drafts (`serve_choice.drafting_costs`): the kind's by its name.
-DRAFTING = {"dflash": "block", "eagle3": "chain", "prompt_lookup": "free", "ngram": "free"}
+DRAFTING = serve_choice.DRAFTING  # how each proposer's drafting pass scales with k drafts, by its name
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ next one.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftflow.errors import ConfigError
 from draftflow.promotion import PROMOTED, promoted_export
-from draftflow.store import Store, digest
+from draftflow.store import Store, digest, sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -63,17 +62,9 @@ def _is_export(store: Store, folder: str) -> bool:
     return fs.exists(f"{folder}/config.json") and any(p.endswith(".safetensors") for p in fs.ls(folder, detail=False))
 
 
-def _sha256(store: Store, path: str) -> str:
-    h = hashlib.sha256()
-    with store.fs.open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _export_digest(store: Store, folder: str) -> str:
     files = sorted(p for p in store.fs.ls(folder, detail=False) if store.fs.isfile(p))
-    return digest({Path(p).name: _sha256(store, p) for p in files})
+    return digest({Path(p).name: sha256_file(p, store.fs) for p in files})
 
 
 def _trained_for(store: Store, folder: str) -> str | None:
