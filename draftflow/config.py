@@ -22,6 +22,7 @@ from draftflow.curate_config import CodeStubsConfig, CurateConfig, SelfInstructC
 from draftflow.errors import ConfigError
 from draftflow.evaluate_config import EvaluateConfig
 from draftflow.fields import BoolOrFraction, Device, Section
+from draftflow.refresh_config import RefreshConfig
 
 # Re-exported, as the curate section is: the drafter and train sections and their recipes.
 from draftflow.train_config import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig  # noqa: F401
@@ -186,6 +187,7 @@ class RunConfig(Section):
     evaluate: EvaluateConfig = EvaluateConfig()
     runner: RunnerConfig = RunnerConfig()
     lock: LockConfig = LockConfig()
+    refresh: RefreshConfig = RefreshConfig()
 
     @model_validator(mode="after")
     def _default_root(self) -> RunConfig:

@@ -63,7 +63,8 @@ def _merged(base: dict[str, Any], over: dict[str, Any], default_kind: Callable[[
 
 
 def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
-    """Relative local source paths are relative to the config file (else the working directory)."""
+    """Relative local source paths (and `refresh.traffic`) are relative to the config file (else the working
+    directory)."""
     for src in (data.get("curate") or {}).get("sources") or []:
         path = src.get("path") if isinstance(src, dict) else None
         if not path or "://" in path or Path(path).is_absolute() or src.get("package"):
@@ -71,3 +72,6 @@ def _resolve_source_paths(data: dict[str, Any], base: Path) -> None:
         candidate = (base / path).resolve()
         if candidate.exists():
             src["path"] = str(candidate)
+    traffic = data["refresh"].get("traffic") if isinstance(data.get("refresh"), dict) else None
+    if isinstance(traffic, str) and "://" not in traffic and not Path(traffic).is_absolute():
+        data["refresh"]["traffic"] = str((base / traffic).resolve())  # a log folder may not exist yet

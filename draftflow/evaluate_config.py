@@ -34,6 +34,11 @@ class GateConfig(Section):
         description="fail when tau is more than this fraction below the best earlier "
         "evaluation of the same target and eval set in the run root (or below `baseline`); 0.05 = 5%",
     )
+    max_category_regression: float | None = Field(
+        None, ge=0.0, lt=1.0,
+        description="fail when any category's tau is more than this fraction below the baseline's tau on that "
+        "category (the baseline is max_regression's; needs max_regression): new data must not cost what was served",
+    )
     baseline: str | None = Field(
         None,
         min_length=1,
@@ -43,6 +48,9 @@ class GateConfig(Section):
 
     @model_validator(mode="after")
     def _baseline_needs_regression(self) -> GateConfig:
+        if self.max_category_regression is not None and self.max_regression is None:
+            raise ValueError("evaluate.gate.max_category_regression compares with max_regression's baseline; set "
+                             "evaluate.gate.max_regression too")
         if self.baseline is not None and self.max_regression is None:
             raise ValueError(
                 "evaluate.gate.baseline is only used by max_regression; set evaluate.gate.max_regression "

@@ -3,13 +3,15 @@ verdict, and mark the drafter's export promoted (or take the mark away).
 
 The gate runs after the evaluate stage, also when the stage is reused from the store: its
 thresholds are in no fingerprint, so a changed threshold re-judges the same measurement without
-decoding again. It writes two small files outside the stages' manifests (no manifest lists them,
+decoding again. It writes three small files outside the stages' manifests (no manifest lists them,
 so no sha256 contract covers or breaks on them):
 
 - `<root>/evaluate/<fp>/gate.json`: the last verdict on that evaluation (checks, notes, baseline);
 - `<root>/train/<fp>/export/promoted.json`: present while the last gate applied to that export
   passed (which evaluation promoted it, its τ and checks); a failing gate removes it. Deployment
   scripts test for this file; the export folders themselves are never touched.
+- `<root>/promoted.json` (`draftflow.promotion.record_promotion`): the drafter in service and every one promoted
+  before it, each with its evaluation, τ and target fingerprint.
 
 What it does not know: Prefect (the evaluate flow publishes the verdict and fails the flow run).
 Trade-off: "best earlier" is the highest τ among the other complete evaluations of the same target
@@ -29,7 +31,7 @@ from draftflow.errors import DraftflowError
 from draftflow.evalruns import GATE, REPORT, STAGE, Evaluation, eval_set_key, in_root, load, resolve
 from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
-from draftflow.promotion import marker_path
+from draftflow.promotion import marker_path, record_promotion
 from draftflow.store import Store
 
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
@@ -88,7 +90,7 @@ def baseline_for(store: Store, gate: GateConfig, this: Evaluation) -> dict[str, 
                 f"evaluate.gate.baseline={gate.baseline} measured another {what} than {this.path}; "
                 "a regression between them means nothing: name an evaluation of the same"
             )
-        return {"tau": base.tau, "label": base.label, "path": base.path}
+        return {"tau": base.tau, "label": base.label, "path": base.path, "categories": _category_taus(base)}
     same = [
         e
         for e in in_root(store, with_eval_set=True)
@@ -101,7 +103,12 @@ def baseline_for(store: Store, gate: GateConfig, this: Evaluation) -> dict[str, 
     if not same:
         return None
     best = max(same, key=lambda e: e.tau)
-    return {"tau": best.tau, "label": best.label, "path": best.path}
+    return {"tau": best.tau, "label": best.label, "path": best.path, "categories": _category_taus(best)}
+
+
+def _category_taus(e: Evaluation) -> dict[str, float]:
+    """tau per eval category of an evaluation's report (for max_category_regression)."""
+    return {c: v["tau"] for c, v in (e.report.get("categories") or {}).items() if v.get("tau") is not None}
 
 
 def apply_gate(
@@ -149,6 +156,8 @@ def apply_gate(
                 "notes": verdict["notes"],
             },
         )
+        record_promotion(store, trained.fingerprint, run=cfg.name, evaluate=fp, tau=this.tau,
+                         target=trained.manifest.inputs.get("target"))
     elif store.exists(marker):
         store.fs.rm(marker)
     return verdict

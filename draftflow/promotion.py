@@ -6,9 +6,13 @@ gate's code (editing the gate never re-runs a stage).
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+from typing import Any
+
 from draftflow.store import Store
 
 PROMOTED = "promoted.json"
+POINTER = "promoted.json"  # <root>/promoted.json: the drafter in service, and every one promoted before it
 
 
 def marker_path(store: Store, train_fp: str) -> str:
@@ -19,9 +23,35 @@ def marker_path(store: Store, train_fp: str) -> str:
 def promoted_export(store: Store) -> tuple[str, str] | None:
     """(train fingerprint, its vLLM-native export folder) of the drafter this root's gate promoted last (the most
     recently written marker: a gate that passes writes it again), or None when nothing is promoted."""
+    current = (pointer(store) or {}).get("current")
+    if current and store.exists(marker_path(store, current["train"])):  # withdrawn by a later gate: fall through
+        return current["train"], store.stage_path("train", current["train"], "export", "vllm")
     markers = store.fs.glob(marker_path(store, "*"))
     if not markers:
         return None
     newest = max(markers, key=lambda m: store.fs.modified(m).timestamp())
     fp = newest.rstrip("/").split("/")[-3]  # <root>/train/<fp>/export/promoted.json
     return fp, store.stage_path("train", fp, "export", "vllm")
+
+
+def pointer(store: Store) -> dict[str, Any] | None:
+    """`<root>/promoted.json`: `{"current": entry, "history": [entry, ...]}` (oldest first), or None."""
+    path = store.path(POINTER)
+    return store.read_json(path) if store.exists(path) else None
+
+
+def record_promotion(store: Store, train_fp: str, **about: Any) -> dict[str, Any]:
+    """Make the drafter of train stage `train_fp` the current one in the root's pointer, keeping the history.
+
+    Args:
+        about: what to keep with it (the evaluation, its tau, the target's fingerprint, the run's name).
+    """
+    entry = {"train": train_fp, "export": store.url(store.stage_path("train", train_fp, "export", "vllm")),
+             "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **about}
+    old = pointer(store) or {"history": []}
+    same = old.get("current") or {}
+    if same.get("train") == train_fp and same.get("evaluate") == about.get("evaluate"):
+        return old  # the same verdict applied again (a re-run reusing the stages): no new promotion
+    data = {"current": entry, "history": [*old["history"], entry]}
+    store.write_json(store.path(POINTER), data)
+    return data

@@ -1,4 +1,4 @@
-"""`draftflow run|plan|status|server|deploy`: a config path plus dotted overrides, nothing more.
+"""`draftflow run|refresh|history|plan|status|server|deploy|compare`: a config path plus dotted overrides, nothing more.
 
 Lives in the flows layer because `run` starts the Prefect pipeline flow. Bad
 input (missing config, unknown key, unreachable source, bad taps) is reported
@@ -71,6 +71,15 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")
         s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config value by dotted path, e.g. train.lr=1e-3")
+    s = sub.add_parser("refresh", help="take new traffic, train warm from the promoted drafter, promote if it is "
+                       "better (nothing when no log file is new)")
+    s.add_argument("config", help="run config YAML (its root holds the promoted drafter and the watermark)")
+    s.add_argument("--traffic", default=None, metavar="PATH",
+                   help="folder or s3:// prefix of JSONL request logs (else refresh.traffic)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value by dotted path, as for run")
+    s = sub.add_parser("history", help="one line per refresh of a run root: tau, the live drafter's, promoted or not")
+    s.add_argument("root", help="a run folder (e.g. runs/tiny, or s3://…) or the run's config YAML")
     s = sub.add_parser("status", help="which stages of a run are complete, their counts and outputs")
     s.add_argument("run", help="a run folder (e.g. runs/tiny, or s3://…) or the run's config YAML")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -147,10 +156,38 @@ def cmd_run(args) -> int:
     from draftflow.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a config error answers before the stages are imported
+    start = time.time()
+    summary = _in_prefect(cfg, "pipeline")
+    print_summary(summary)
+    print(f"wall time {time.time() - start:.1f} s")
+    return 0
+
+
+def cmd_refresh(args) -> int:
+    """`draftflow refresh`: one refresh (`flows/refresh.py`); the run's lines, then the refresh's history line."""
+    from draftflow.config import load_config
+
+    extra = [f"refresh.traffic={os.path.abspath(args.traffic) if '://' not in args.traffic else args.traffic}"] \
+        if args.traffic else []
+    cfg = load_config(args.config, [*args.overrides, *extra])
+    start = time.time()
+    result = _in_prefect(cfg, "refresh")
+    if "nothing" in result:
+        print(result["nothing"])
+        return 0
+    if "stages" in result:
+        print_summary(result)
+    print(result["history"])
+    print(f"wall time {time.time() - start:.1f} s")
+    return 0
+
+
+def _in_prefect(cfg, what: str) -> dict:
+    """Run the `pipeline` or `refresh` flow on `cfg` under the root's lease, Prefect's server (a temporary one when
+    no PREFECT_API_URL is set), progress on the terminal and Ctrl-C handling; a refused root is one line."""
     from draftflow.plan import preflight
 
     target = preflight(cfg)
-    start = time.time()
     from draftflow.runlock import holding
 
     # The root's lease first: a second run on a busy root stops here, before Prefect starts.
@@ -159,13 +196,16 @@ def cmd_run(args) -> int:
         user_api = None if server else _user_api()
         _cpu_threads()
         from flows.apiwatch import watching
-        from flows.pipeline import pipeline
         from flows.tempserver import serving
 
+        if what == "refresh":
+            from flows.refresh import refresh as run_flow
+        else:
+            from flows.pipeline import pipeline as run_flow
         console.quiet_user_errors()
         with serving(server) as url, console.terminal_progress(), watching(url or user_api):
             try:
-                summary = interruptible(pipeline, cfg)
+                return interruptible(run_flow, cfg)
             except OSError as exc:  # the root refused: name it (a failed write() names no file), and for a
                 from draftflow.plan import space_to_finish  # full device what the rest of the run needs
                 from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
@@ -176,6 +216,10 @@ def cmd_run(args) -> int:
                 where = getattr(exc, "filename", None) or f"the run root {cfg.root}"
                 more = space_to_finish(cfg, target) if cause == "no_space" else ""
                 raise DraftflowError(storage_error_message(exc, where) + more) from None
+
+
+def print_summary(summary: dict) -> None:
+    """A run's lines: each stage, tau and the evaluation, the gate, the outputs and how to serve them."""
     w = max([11, *(len(s["stage"]) for s in summary["stages"])])  # the stage column fits every name
     for s in summary["stages"]:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
@@ -202,7 +246,22 @@ def cmd_run(args) -> int:
     if summary.get("stale"):  # the promoted drafter (what deployments serve) was trained for an older target
         print(f"promoted drafter: {summary['stale']}")
     print(f"report: {summary['report']}")
-    print(f"wall time {time.time() - start:.1f} s")
+
+
+def cmd_history(args) -> int:
+    """`draftflow history ROOT`: one line per finished refresh (`draftflow.refresh.history`)."""
+    from draftflow.refresh import history
+    from draftflow.store import Store
+
+    root = args.root
+    if root.endswith((".yaml", ".yml")):
+        from draftflow.config import load_config
+
+        root = load_config(root).root
+    elif "://" not in root and not os.path.isdir(root):
+        raise DraftflowError(f"no run root at {root}; give a run folder (e.g. runs/tiny) or the run's config YAML")
+    lines = [history.line(e) for e in history.entries(Store(root))]
+    print("\n".join(lines) if lines else f"no refresh has finished in {root} yet (draftflow refresh CONFIG)")
     return 0
 
 
@@ -316,8 +375,8 @@ def _progress(p: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handler = {"run": cmd_run, "plan": cmd_plan, "status": cmd_status, "server": cmd_server,
-               "deploy": cmd_deploy, "compare": cmd_compare}[args.command]
+    handler = {"run": cmd_run, "refresh": cmd_refresh, "history": cmd_history, "plan": cmd_plan,
+               "status": cmd_status, "server": cmd_server, "deploy": cmd_deploy, "compare": cmd_compare}[args.command]
     try:
         return handler(args)
     except RunInterrupted as exc:

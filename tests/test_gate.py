@@ -131,7 +131,7 @@ def test_max_regression_compares_with_the_best_earlier_evaluation_of_the_same_ta
     assert verdict["baseline"]["label"].endswith("a" * 16) and verdict["checks"][0]["value"] == pytest.approx(0.2)
     assert not verdict["promoted"] and not Path(marker_path(store, TRAINED.fingerprint)).exists()
     assert json.loads((tmp_path / "evaluate" / ("f" * 16) / "gate.json").read_text())["passed"] is False
-    with pytest.raises(GateFailed, match=r"tau 2.000 is \+20.0% below .*aaaa's 2.500 \(> max_regression 10.0%\)"):
+    with pytest.raises(GateFailed, match=r"tau 2.000 is 20.0% below .*aaaa's 2.500 \(> max_regression 10.0%\)"):
         raise_if_failed(verdict, store)
 
     verdict = apply_gate(store, gate_cfg(tmp_path, max_regression=0.25, min_tau=1.5), now, TRAINED)

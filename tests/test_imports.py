@@ -141,6 +141,7 @@ LAYERS = (
     # what a run's results say, and the plan before it: read by the CLI
     ("runs", ("draftflow.runstate", "draftflow.runinfo", "draftflow.evalruns", "draftflow.compare", "draftflow.gating",
               "draftflow.plan")),
+    ("refresh", ("draftflow.refresh",)),  # traffic batches and the refresh history, read by the refresh flow
     ("tasks", ("tasks",)),
     ("flows", ("flows",)),
 )

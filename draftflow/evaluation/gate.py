@@ -66,7 +66,7 @@ def decide(
     Args:
         report: the evaluate stage's report.json (at least `tau`; `speedup.predicted` for min_speedup).
         gate: the thresholds; each one set is a check.
-        baseline: for max_regression, `{"tau", "label"}` of the evaluation to compare with (the best
+        baseline: for max_regression, `{"tau", "label", "categories"}` of the evaluation to compare with (the best
             earlier one of the same target and eval set, or `gate.baseline`); None: there is none,
             so the check passes with a note (a first run has nothing to regress against).
         where: how messages name the evaluation (e.g. its folder).
@@ -126,11 +126,31 @@ def decide(
                     drop,
                     gate.max_regression,
                     ok,
-                    f"tau {tau:.3f} is {drop:+.1%} below {baseline.get('label', 'the baseline')}'s {float(best):.3f} "
+                    f"tau {tau:.3f} is {_relative(drop)} {baseline.get('label', 'the baseline')}'s {float(best):.3f} "
                     f"({'<=' if ok else '>'} max_regression {gate.max_regression:.1%})",
                 )
             )
+            if gate.max_category_regression is not None:
+                checks.append(_category_check(report, baseline, gate.max_category_regression))
     return {"passed": all(c["passed"] for c in checks), "checks": checks, "notes": notes}
+
+
+def _relative(drop: float) -> str:
+    return f"{drop:.1%} below" if drop >= 0 else f"{-drop:.1%} above"
+
+
+def _category_check(report: dict[str, Any], baseline: dict[str, Any], limit: float) -> dict[str, Any]:
+    """The category that fell most below the baseline's tau on it (categories both measured), against `limit`."""
+    ours, theirs = report.get("categories") or {}, baseline.get("categories") or {}
+    drops = {c: 1.0 - ours[c]["tau"] / theirs[c] for c in sorted(set(ours) & set(theirs))
+             if ours[c].get("tau") is not None and theirs[c]}
+    if not drops:
+        return _check("max_category_regression", None, limit, True, "no category measured by both")
+    worst = max(drops, key=drops.get)
+    ok = drops[worst] <= limit
+    return _check("max_category_regression", drops[worst], limit, ok,
+                  f"category {worst}: tau {ours[worst]['tau']:.3f} is {_relative(drops[worst])} the baseline's "
+                  f"{theirs[worst]:.3f} ({'<=' if ok else '>'} max_category_regression {limit:.1%})")
 
 
 def failure_line(verdict: dict[str, Any], where: str) -> str:

@@ -11,6 +11,10 @@ fingerprint, sampling, `enable_thinking`, finish reason, token counts).
 Fixed data (`regenerate.answers: source`, how EAGLE-1 trained): the sources' own answers are kept and
 nothing is generated; extract's one forward pass is then the only cost of the target.
 
+Earlier answers: a conversation this root's earlier regenerate stages already answered with the same target and
+settings (`answers_key`: a refresh's curate adds new rows and reshuffles, so every shard is new) is copied from
+there, not generated again; only new conversations reach the engine.
+
 Resume: a shard is worked in chunks of `checkpoint_every` conversations; after
 each chunk the finished rows and rejects are committed to `partial/<shard>`,
 so a crash redoes at most one chunk. Output rows are keyed by sample id and
@@ -19,6 +23,7 @@ written in input order, whatever order they finished in.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import Counter
@@ -259,6 +264,9 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
     todo = [r for r in rows if r["sample_id"] not in seen]
     if seen:
         log.info("%s: resuming, %d of %d conversations already done", name, len(rows) - len(todo), len(rows))
+    if rcfg.answers != "source" and todo:
+        reused, todo = answered_before(store, fp, cfg, target, todo)
+        done = done + reused
     if rcfg.answers == "source":  # fixed data: nothing to generate, so no engine
         out, rej = keep_source_answers(todo, ChatFormat.from_pretrained(target.path))
         progress.report(STAGE, len(rows), len(rows), part=name)
@@ -280,6 +288,48 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
             interrupt.stopped(f"regenerate {name}, {len(done) + len(rejects)} of {len(rows)} conversations saved")
             raise
     return _finish_shard(store, fp, shard, rows, done, rejects, cut)
+
+
+def answers_key(cfg: RunConfig, target: TargetRef) -> str:
+    """What decides a regenerated answer, less the rows: the target, its settings and the regenerate section."""
+    from draftflow.store import digest
+
+    return digest({"target": cfg.section("target"), "fingerprint": target.fingerprint,
+                   "regenerate": cfg.section("regenerate")})
+
+
+def answered_before(store: Store, fp: str, cfg: RunConfig, target: TargetRef, todo: list[dict]
+                    ) -> tuple[list[dict], list[dict]]:
+    """(rows of `todo` that a complete earlier regenerate stage of this root answered with the same
+    `answers_key`, copied; the rest). Marks this stage's folder with its key, for later stages to find."""
+    key = answers_key(cfg, target)
+    mark = store.stage_path(STAGE, fp, "answers.key")
+    if not store.exists(mark):
+        store.write_bytes(mark, key.encode())
+    wanted = {r["sample_id"] for r in todo}
+    found: dict[str, dict] = {}
+    for other in sorted(store.fs.glob(store.stage_path(STAGE, "*", "answers.key"))):
+        other_fp = other.rstrip("/").split("/")[-2]
+        manifest = store.read_manifest(STAGE, other_fp) if other_fp != fp else None
+        if manifest is None or store.fs.cat_file(other).decode() != key:
+            continue
+        for entry in manifest.data_shards():
+            path = store.local_path(store.stage_path(STAGE, other_fp, entry.name), entry.sha256)
+            if wanted & _ids(path, entry.sha256):
+                found |= {r["sample_id"]: r for r in read_rows(path) if r["sample_id"] in wanted}
+        if len(found) == len(wanted):
+            break
+    if found:
+        log.info("%s: %d of %d conversations answered by an earlier regenerate stage, copied", fp, len(found),
+                 len(todo))
+    return [found[r["sample_id"]] for r in todo if r["sample_id"] in found], \
+        [r for r in todo if r["sample_id"] not in found]
+
+
+@functools.lru_cache(maxsize=4096)
+def _ids(path: str, sha256: str) -> frozenset[str]:
+    """The sample ids of a committed regenerate shard (read once per process: every shard task asks)."""
+    return frozenset(pq.read_table(path, columns=["sample_id"])["sample_id"].to_pylist())
 
 
 def _finish_shard(store: Store, fp: str, shard: ShardEntry, rows: list[dict], done: list[dict], rejects: list[dict],
