@@ -324,15 +324,12 @@ def cmd_status(args) -> int:
         raise DraftflowError("--set needs the run's config file, not a run folder")
     cfg = load_config(args.run, args.overrides) if is_config else recorded_config(args.run)
     from draftflow.target import resolve_target
-    from draftflow.training.warm import stale_promoted
 
     target = resolve_target(cfg.target)
     stages = stage_status(cfg, target)
     done = sum(s["state"] == "complete" for s in stages)
     print(f"run {cfg.name}  root {cfg.root}  {done}/{len(stages)} stages complete")
-    stale = stale_promoted(cfg.root, target.fingerprint)
-    if stale:
-        print(f"  promoted drafter: {stale}")
+    _print_promoted(cfg.root, target.fingerprint)
     for s in stages:
         if s["state"] != "complete":
             where = s["path"] or "(waits for its inputs)"
@@ -349,6 +346,26 @@ def cmd_status(args) -> int:
         if warm:
             print(f"  {'':<11} {'':<9} {_warm(warm)}")
     return 0
+
+
+def _print_promoted(root: str, target_fingerprint: str) -> None:
+    """The drafter in service (the root's promoted pointer), whether it is stale, and the refreshes so far."""
+    from draftflow.promotion import pointer
+    from draftflow.refresh import history
+    from draftflow.store import Store
+    from draftflow.training.warm import stale_promoted
+
+    store = Store(root)
+    current = (pointer(store) or {}).get("current")
+    if current:
+        tau = "-" if current.get("tau") is None else f"{current['tau']:.3f}"
+        print(f"  promoted drafter: train/{current['train']} tau {tau} since {current['at']} ({current['export']})")
+    stale = stale_promoted(root, target_fingerprint)
+    if stale:
+        print(f"  promoted drafter: {stale}")
+    done = history.entries(store)
+    if done:
+        print(f"  refreshes: {len(done)}, last: {history.line(done[-1])} (draftflow history {root})")
 
 
 def _warm(w: dict) -> str:

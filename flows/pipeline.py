@@ -96,7 +96,8 @@ def publish_summary(cfg: RunConfig, summary: dict) -> None:
         key=artifact_key(run_key(cfg), "result"),
         markdown=f"# {cfg.name}\n\nmean acceptance length **τ = {_tau(summary['tau'])}**\n\n"
                  f"- {summary_line(summary.get('gate'))}\n"
-                 f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
+                 + (f"- **promoted drafter is stale**: {summary['stale']}\n" if summary.get("stale") else "")
+                 + f"- checkpoint: `{summary['checkpoint']}`\n- report: `{summary['report']}`\n\n"
                  + "".join(f"- export ({fmt}): `{path}`\n\n  ```\n  {summary['serve'].get(fmt, '')}\n  ```\n\n"
                            for fmt, path in summary["exports"].items())
                  + without_relative_images(_read_text(summary["report"])) + "\n"

@@ -199,6 +199,7 @@ def test_every_deployment_binds_to_its_flow_and_pool():
     assert scheduled["nightly"] == {"config_path": "configs/tiny.yaml", "overrides": [], "stage": "regenerate",
                                          "upstream": "run"}
     assert "stage" not in scheduled["weekly"]  # the whole pipeline
+    assert scheduled["refresh"]["traffic"] is None  # refresh.traffic of the config, unless the run names one
 
 
 def test_status_says_why_an_older_result_is_not_reused(tmp_path):
