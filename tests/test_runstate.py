@@ -11,7 +11,7 @@ from draftflow.runinfo import stage_status
 from draftflow.runstate import CKPT_DIR, MIRROR_DONE, PARTIAL, stage_states, train_progress, train_work_dir
 from draftflow.stages.registry import stage_names
 from draftflow.store import Store
-from flows.cli import _progress
+from flows.status import _progress
 from tests.conftest import ROOT, tiny_config
 
 HEAVY = ("torch", "transformers", "prefect")
@@ -82,7 +82,7 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
 
 def test_sizes_in_status_are_written_as_plan_writes_them():
     from draftflow.plan import human_bytes
-    from flows.cli import _size
+    from flows.status import _size
 
     for n in (0, 1023, 1024, 16_600, 1 << 20, 3 << 40, 5 << 50):
         assert _size(n) == human_bytes(n)
