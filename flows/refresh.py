@@ -127,7 +127,9 @@ def _evaluate_live(run_cfg: RunConfig, store: Store, target: dict, results: dict
 def _reason(verdict: dict) -> str:
     """Why: the checks that failed, else every check (each names its measured value and threshold)."""
     failed = [c["detail"] for c in verdict["checks"] if not c["passed"]]
-    return "; ".join(failed or [c["detail"] for c in verdict["checks"]] + verdict.get("notes", []))
+    if not failed and verdict.get("baseline") is None:
+        return "the first drafter of this root (nothing to regress against)"
+    return "; ".join(failed or [c["detail"] for c in verdict["checks"]])
 
 
 def _record(cfg: RunConfig, store: Store, batch: Batch, summary: dict | None, live_tau: float | None,
@@ -154,4 +156,6 @@ def refresh_from_file(config_path: str, overrides: list[str] | None = None, traf
 
     cfg = load_config(config_path, [*(overrides or []), *([f"refresh.traffic={traffic}"] if traffic else [])])
     preflight(cfg)
-    return refresh(cfg)
+    result = refresh(cfg)
+    get_run_logger().info(result.get("nothing") or result["history"])  # the decision, where the deployment's run is
+    return result

@@ -8,7 +8,9 @@ stream, so reads poll until they settle instead of asserting at once.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from draftflow.config import load_config
 from draftflow.stages.registry import stage_names
 from flows.keys import run_key
 from tests.conftest import ROOT, tiny_config
@@ -320,3 +323,56 @@ def test_draftflow_server_ui_reaches_its_api_on_any_port_and_sigterm_stops_the_c
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_three_refreshes_through_the_refresh_deployment_on_a_process_worker(server):
+    """`draftflow deploy --name refresh`, then three runs of it on a real process worker, traffic written between
+    them: the first trains and promotes; the second warm-starts on new traffic and promotes; the third, on traffic
+    built to hurt (800 requests in another script, none of the served categories), trains and is refused by the
+    per-category gate, so the promoted drafter stays. `draftflow history` prints the three lines and the UI has the
+    tau-history artifact."""
+    from tests.traffic_logs import requests, write_log
+
+    url, env, tmp = server
+    proc = _cli(env, "deploy", "--name", "refresh")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    root, logs = tmp / "refreshed", tmp / "logs"
+    config = tmp / "refresh.yaml"  # the embedded default, evaluated on enough prompts per category to judge them
+    config.write_text(yaml.safe_dump({
+        "base": str(ROOT / "configs" / "tiny.yaml"), "name": "refresh-test", "root": str(root),
+        "train": {"max_steps": 400}, "evaluate": {"num_prompts": 16, "ddtree_budgets": []},
+        "refresh": {"traffic": str(logs), "holdout": 0.2, "max_regression": 0.05, "max_category_regression": 0.03}}))
+    worker_env = {**env, "DRAFTFLOW_TORCH_THREADS": "1"}  # one thread: the same floats, busy machine or not
+    params = {"config_path": str(config), "overrides": []}
+    batches = [("day1.jsonl", requests(60, 1), True), ("day2.jsonl", requests(40, 2), False),
+               ("day3.jsonl", requests(800, 3, other_language=True), False)]
+    for name, rows, bad in batches:
+        write_log(logs, name, rows, bad=bad)
+        (run,) = _run_deployments(url, worker_env, "gpu", [("draftflow-refresh-from-file/refresh", params, {})])
+        assert run.state.name == "Completed", run.state.message
+    proc = _cli(env, "history", str(root))
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 3, proc.stdout + proc.stderr
+    pattern = r"refresh {}: \d{{4}}-\d\d-\d\d new_rows {} tau \d\.\d{{3}} live_tau {} promoted {} .+"
+    assert re.fullmatch(pattern.format(1, 60, "-", "yes"), lines[0]), lines[0]
+    assert re.fullmatch(pattern.format(2, 40, r"\d\.\d{3}", "yes"), lines[1]), lines[1]
+    assert re.fullmatch(pattern.format(3, 800, r"\d\.\d{3}", "no"), lines[2]), lines[2]
+    assert "max_category_regression" in lines[2]
+    entries = json.loads((root / "refresh/history.json").read_text())["refreshes"]
+    trains = [e["train"] for e in entries]
+    pointer = json.loads((root / "promoted.json").read_text())
+    assert pointer["current"]["train"] == trains[1] and [h["train"] for h in pointer["history"]] == trains[:2]
+    assert (root / f"train/{trains[1]}/export/promoted.json").exists()
+    assert not (root / f"train/{trains[2]}/export/promoted.json").exists()
+    warm = json.loads((root / f"train/{trains[2]}/manifest.json").read_text())["extra"]["init_from"]
+    assert warm["train_fingerprint"] == trains[1]  # the third started from the second, the live drafter
+    # A fourth run with no new log file does nothing, and says so.
+    (run,) = _run_deployments(url, worker_env, "gpu", [("draftflow-refresh-from-file/refresh", params, {})])
+    assert run.state.name == "Completed"
+    with _client(url) as client:
+        assert _eventually(lambda: any("no new traffic under" in g.message for g in _logs_of(client, run.id)))
+        key = f"{run_key(load_config(str(config)))}-refreshes"
+        docs = _eventually(lambda: _artifacts(client).get(key, []) if len(_artifacts(client).get(key, [])) >= 3
+                           else None)
+        latest = max(docs, key=lambda a: a.created).data
+        assert "candidate" in latest and "| 3 |" in latest and "| 4 |" not in latest
