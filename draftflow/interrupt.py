@@ -28,6 +28,7 @@ _IDLE = threading.Condition()
 _active = 0
 _where: list[str] = []
 _why: list[str] = []
+_stage: list[str] = []
 
 
 class Interrupted(DraftflowError):
@@ -115,6 +116,12 @@ def stopped(where: str) -> None:
     _where.append(where)
 
 
+def entering(stage: str) -> None:
+    """The run starts (or reuses) `stage`: where it stopped, when no loop of that stage says more."""
+    _stage[:] = [stage]
+
+
 def stopped_at() -> str | None:
-    """Where the first loop that honoured the request stopped (e.g. "train step 12 of 40"), if any did."""
-    return _where[0] if _where else None
+    """Where the first loop that honoured the request stopped (e.g. "train step 12 of 40"), else the stage the run
+    was in (e.g. "tokenize"), if any."""
+    return _where[0] if _where else (_stage[0] if _stage else None)

@@ -9,6 +9,7 @@ the library and publishes a count table.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from draftflow.store import Store
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key, run_key
 from flows.progress import track
+from flows.signals import stop_soon
 
 
 def with_storage(task_fn, store: Store):
@@ -69,25 +71,26 @@ def map_shards(task_fn, store: Store, stage: str, shards: list,
     """
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
-    with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
-        futures = task_fn.map(shard=shards, **fixed)
-        by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
-        track(run_key(kwargs["cfg"]), stage, sum(s.rows for s in shards) if by_rows else len(shards),
-              "rows" if by_rows else "parts")
-        try:
+    try:
+        with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
+            futures = task_fn.map(shard=shards, **fixed)
+            by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
+            track(run_key(kwargs["cfg"]), stage, sum(s.rows for s in shards) if by_rows else len(shards),
+                  "rows" if by_rows else "parts")
             for f in as_completed(futures):  # shard-level progress; the library reports rows inside shards
                 _shard_done(stage, shards[futures.index(f)], f, by_rows)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # SIGTERM/SIGINT as Prefect raises them (TerminationSignal): the
-                interrupt.request()  # shard tasks in worker threads stop between their batches, not at their end,
-                logging.disable(logging.CRITICAL)  # quietly (the CLI prints the one line, `flows.signals`)
-            raise
-        results = [f.result() for f in futures]
-        # Recomputed on the same runner (Ray too) and still holding the GPU slot.
-        redo = _damaged(store, stage, kwargs["fp"], futures, results, verify)
-        again = [task_fn.with_options(refresh_cache=True).submit(shard=shards[i], **kwargs) for i in redo]
-        for i, f in zip(redo, again):
-            results[i] = f.result()
+            results = [f.result() for f in futures]
+            # Recomputed on the same runner (Ray too) and still holding the GPU slot.
+            redo = _damaged(store, stage, kwargs["fp"], futures, results, verify)
+            again = [task_fn.with_options(refresh_cache=True).submit(shard=shards[i], **kwargs) for i in redo]
+            for i, f in zip(redo, again):
+                results[i] = f.result()
+    except BaseException as exc:  # wherever it lands while shards run (even while they are being submitted)
+        if not isinstance(exc, Exception):  # SIGTERM/SIGINT as Prefect raises them (TerminationSignal): the
+            interrupt.request()  # shard tasks in worker threads stop between their batches, not at their end,
+            logging.disable(logging.CRITICAL)  # quietly (the CLI prints the one line, `flows.signals`)
+            stop_soon(getattr(exc, "signal", signal.SIGTERM))  # and shards that cannot stop are not waited for
+        raise
     progress.finish(stage)
     return results
 

@@ -150,6 +150,9 @@ def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, 
     their GPU-tagged shard tasks."""
     from contextlib import nullcontext
 
+    from draftflow import interrupt
+
+    interrupt.entering(stage)  # for the one line of a run stopped here
     s = spec(stage)
     upstream = [results[u] for u in s.upstream]
     with gpu_slot(gpus=stage_gpus(cfg, stage)) if s.gpu == "stage" else nullcontext():

@@ -29,6 +29,7 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 STOP_GRACE_S = 30.0  # how long an interrupted run waits for training to write its checkpoint
+BACKSTOP_S = 2.0  # after a signal and the stoppable loops: how long the main thread gets to unwind by itself
 UNWIND_S = 5.0  # stop_run, after training stopped: how long the main thread gets to end the run by itself
 
 
@@ -52,17 +53,44 @@ def interruptible(fn, *args):
         interrupt.request()
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda hook_args: None
+        stop_soon(signum)
         raise RunInterrupted(signum)
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    _ARMED.set()
     try:
         return fn(*args)
     except RunInterrupted:
         interrupt.wait_stoppable(STOP_GRACE_S)
         raise
     finally:
+        _ARMED.clear()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+_ARMED = threading.Event()  # set while `interruptible` runs: the CLI owns the process and may end it
+_BACKSTOP: list[threading.Thread] = []
+
+
+def stop_soon(signum: int) -> None:
+    """Under `interruptible`, make sure the run ends in its one line soon after a signal (`_backstop`), whoever
+    caught it: this module's handler, or Prefect's during a flow run (`flows.common.map_shards` calls this). Outside
+    the CLI (a worker's flow run) it does nothing: Prefect and the worker own that process."""
+    if _ARMED.is_set() and not _BACKSTOP:
+        _BACKSTOP.append(threading.Thread(target=_backstop, args=(signum,), name="draftflow-stop", daemon=True))
+        _BACKSTOP[0].start()
+
+
+def _backstop(signum: int) -> None:
+    """End the run in its one line if unwinding takes longer than the stoppable loops plus `BACKSTOP_S`: Prefect's
+    task runner waits for the shard tasks it is running (a curate scan, a tokenize shard), which hold nothing a
+    re-run needs (every commit is whole or absent), so they are not waited for."""
+    from draftflow import interrupt
+
+    interrupt.wait_stoppable(STOP_GRACE_S)
+    time.sleep(BACKSTOP_S)
+    end_interrupted(RunInterrupted(signum))
 
 
 def end_interrupted(exc: RunInterrupted) -> None:
@@ -134,7 +162,9 @@ def _end_children(grace_s: float = 5.0) -> None:
                 continue
             if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has exited already
                 found.append(int(stat.parent.name))
-        return found
+        # multiprocessing's resource tracker ignores SIGTERM by design and ends itself, cleaning up, once this
+        # process has exited (its pipe closes): neither waited for nor killed (a killed one leaks and complains)
+        return [pid for pid in found if b"multiprocessing.resource_tracker" not in _cmdline(pid)]
 
     for sig in (signal.SIGTERM, signal.SIGKILL):
         pids = children()
@@ -146,3 +176,10 @@ def _end_children(grace_s: float = 5.0) -> None:
         deadline = time.monotonic() + grace_s
         while pids and time.monotonic() < deadline and children():
             time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

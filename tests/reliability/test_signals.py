@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,9 @@ import pytest
 from tests.reliability.procs import (
     LONG_TRAINING,
     alive,
+    cli_args,
+    code_dir,
+    descendants,
     finish,
     run_to_end,
     snapshot_code,
@@ -101,3 +106,43 @@ def test_sigkill_of_the_run_leaves_no_process(env, tmp_path):
     while alive(started) and time.monotonic() < end:
         time.sleep(0.2)
     assert not alive(started), f"outlived the SIGKILLed run: {alive(started)}"
+
+
+# Where each of the other stages is held mid-work (a kill point that blocks the thread reaching it, as a stage
+# that cannot stop by itself would): the signal must still end the run in its one line, naming the stage.
+HELD_IN = [("curate", "call:draftflow.stages.curate:merge:1"),
+           ("tokenize", "call:draftflow.stages.tokenize:run_shard:1"),
+           ("extract", "call:draftflow.stages.extract:run_shard:1"),
+           ("evaluate", "call:draftflow.stages.evaluate:load_drafter:1")]
+
+
+def test_sigterm_in_curate_tokenize_extract_and_evaluate_stops_the_run_in_one_line(env, tmp_path):
+    """One root, the stages in order: each re-run takes the stages before from the cache and is stopped inside the
+    next. (Train and regenerate: the tests above, which also resume.)"""
+    root = tmp_path / "run"
+    for stage, point in HELD_IN:
+        log, marker = tmp_path / f"{stage}.log", tmp_path / f"{stage}.held"
+        cmd = [sys.executable, "-m", "tests.reliability.killable", point, str(marker), "--", *cli_args(str(root))]
+        fh = open(log, "w")  # noqa: SIM115 - closed by finish()
+        proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        proc.log_handle = fh
+        end = time.monotonic() + 600
+        while not marker.exists():  # the stage is inside its work: an event, not a sleep
+            assert proc.poll() is None, f"{stage}: the run ended first:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < end, f"{stage}: never held:\n{log.read_text()[-3000:]}"
+            time.sleep(0.05)
+        started = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGTERM)
+        rc, took = finish(proc, STOP_S)
+        out = log.read_text()
+        last = out.strip().splitlines()[-1]
+        assert rc == 128 + signal.SIGTERM, out[-3000:]
+        assert last.startswith(f"draftflow: interrupted (SIGTERM) at {stage};"), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+        end = time.monotonic() + STOP_S  # multiprocessing's resource tracker ends itself once the run has exited
+        while alive(started) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not alive(started), f"{stage}: left running: {alive(started)}"
+        assert not (root / LOCK).exists() and not any(root.glob(f"{stage}/*/manifest.json"))
+        print(f"SIGTERM in {stage}: exited {took:.1f} s after the signal")
