@@ -27,6 +27,7 @@ from flows.deploy import gpu_slot
 from flows.keys import artifact_key, run_key
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
+from flows.signals import note_run
 from flows.stages import curate_flow, evaluate_flow, extract_flow, sharded_stage_flow, train_flow
 from tasks.stage_tasks import prepare_target
 
@@ -34,6 +35,7 @@ from tasks.stage_tasks import prepare_target
 @flow(name="draftflow-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=2))
 def pipeline(cfg: RunConfig) -> dict:
     """Run (or reuse) every stage, holding the run root's lease; return the stage results and the final figures."""
+    note_run()  # interrupted from the CLI: shown Cancelled, with its line (`flows.signals`)
     with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):  # one run at a time on a root
         record_run(cfg)
         report_progress(run_key(cfg))

@@ -38,6 +38,7 @@ from flows.keys import artifact_key, run_key
 from flows.pipeline import publish_summary, run_stage_flow, summarize
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
+from flows.signals import note_run
 from tasks.stage_tasks import prepare_target
 
 
@@ -71,6 +72,7 @@ def _gated(cfg: RunConfig, run_cfg: RunConfig, live_eval: str | None) -> RunConf
 def refresh(cfg: RunConfig) -> dict:
     """One refresh of `cfg.root` on the traffic under `cfg.refresh.traffic`; returns what it decided."""
     log, store = get_run_logger(), Store(cfg.root)
+    note_run()  # interrupted from the CLI: shown Cancelled, with its line (`flows.signals`)
     with holding(cfg.root, cfg.name, cfg.lock.wait_s, cfg.lock.ttl_s):  # one writer of the watermark
         batch, resumed = take_batch(store, cfg.refresh, history.finished(store))
         if batch is None:

@@ -60,8 +60,9 @@ def interruptible(fn, *args):
     _ARMED.set()
     try:
         return fn(*args)
-    except RunInterrupted:
+    except RunInterrupted as exc:
         interrupt.wait_stoppable(STOP_GRACE_S)
+        mark_cancelled(interrupted_line(exc.signum))
         raise
     finally:
         _ARMED.clear()
@@ -90,21 +91,71 @@ def _backstop(signum: int) -> None:
 
     interrupt.wait_stoppable(STOP_GRACE_S)
     time.sleep(BACKSTOP_S)
+    if not interrupt.reason():
+        mark_cancelled(interrupted_line(signum))
     end_interrupted(RunInterrupted(signum))
 
 
 def end_interrupted(exc: RunInterrupted) -> None:
     """One line, every child process ended, then exit now (threads still unwinding are not waited for)."""
-    import signal
-
     from draftflow import interrupt
 
     if interrupt.reason():  # not a user's signal: the run stopped itself (e.g. flows.apiwatch)
         end_now(stop_line(interrupt.reason()), 2)
+    end_now(interrupted_line(exc.signum), 128 + exc.signum)
+
+
+def interrupted_line(signum: int) -> str:
+    """The one line of a run stopped by a user's signal, naming where it stopped."""
+    import signal
+
+    from draftflow import interrupt
+
     where = interrupt.stopped_at()
     at = f" at {where}" if where else ""
-    end_now(f"draftflow: interrupted ({signal.Signals(exc.signum).name}){at}; finished stages and shards are "
-            "kept: re-run the same command to resume", 128 + exc.signum)
+    return (f"draftflow: interrupted ({signal.Signals(signum).name}){at}; finished stages and shards are kept: "
+            "re-run the same command to resume")
+
+
+_RUN: list[str] = []  # the top flow run this CLI process runs (`note_run`), to mark Cancelled when interrupted
+
+
+def note_run() -> None:
+    """Remember the flow run in progress as the run's own (the pipeline and refresh flows call it first)."""
+    from prefect.runtime import flow_run
+
+    if _ARMED.is_set() and not _RUN and flow_run.id:
+        _RUN.append(str(flow_run.id))
+
+
+def mark_cancelled(line: str, timeout_s: float = 5.0) -> None:
+    """Show the interrupted run (and its stage subflows) as Cancelled in the UI, with `line` in its logs, instead of
+    Crashed; bounded (`timeout_s`), and silent when the API cannot be reached (the line is printed anyway)."""
+    if _RUN:
+        worker = threading.Thread(target=_cancel, args=(_RUN[0], line), name="draftflow-cancel", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+
+
+def _cancel(run_id: str, line: str) -> None:
+    from datetime import datetime, timezone
+
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import LogCreate
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+        from prefect.states import Cancelled
+
+        with get_client(sync_client=True) as client:
+            subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))
+            for run in [*subflows, client.read_flow_run(run_id)]:
+                if run.state is None or not run.state.is_final() or run.state.is_crashed():
+                    client.set_flow_run_state(run.id, Cancelled(message=line), force=True)
+            client.create_logs([LogCreate(name="draftflow", level=30, message=line, flow_run_id=run_id,
+                                          timestamp=datetime.now(timezone.utc))])
+    except Exception:  # noqa: BLE001 - the UI is told when it can be; the run ends in its line regardless
+        pass
 
 
 def stop_line(why: str) -> str:
@@ -150,31 +201,38 @@ _ENDING = threading.Lock()  # one thread ends the process; another that gets her
 
 
 def _end_children(grace_s: float = 5.0) -> None:
-    """SIGTERM every child process of this one (vLLM engines, torchrun), SIGKILL those alive after `grace_s`."""
+    """SIGTERM every child process of this one (vLLM engines, torchrun), then SIGKILL whatever is still alive below
+    this process after `grace_s` (grandchildren too: a vLLM engine core's workers would otherwise wind down on
+    their own time once it is gone)."""
     import signal
 
-    def children() -> list[int]:
-        found = []
+    def below(direct: bool) -> list[int]:
+        parent: dict[int, int] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
                 fields = stat.read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[1]) == os.getpid() and fields[0] != "Z":  # a zombie has exited already
-                found.append(int(stat.parent.name))
+            if fields[0] != "Z":  # a zombie has exited already
+                parent[int(stat.parent.name)] = int(fields[1])
+        found, todo = [], [os.getpid()]
+        while todo:
+            kids = [p for p, pp in parent.items() if pp == todo.pop()]
+            found += kids
+            todo += [] if direct else kids
         # multiprocessing's resource tracker ignores SIGTERM by design and ends itself, cleaning up, once this
         # process has exited (its pipe closes): neither waited for nor killed (a killed one leaks and complains)
         return [pid for pid in found if b"multiprocessing.resource_tracker" not in _cmdline(pid)]
 
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = children()
+    for sig, direct in ((signal.SIGTERM, True), (signal.SIGKILL, False)):
+        pids = below(direct)
         for pid in pids:
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline and children():
+        while pids and time.monotonic() < deadline and below(direct):
             time.sleep(0.1)
 
 

@@ -376,3 +376,27 @@ def test_three_refreshes_through_the_refresh_deployment_on_a_process_worker(serv
                            else None)
         latest = max(docs, key=lambda a: a.created).data
         assert "candidate" in latest and "| 3 |" in latest and "| 4 |" not in latest
+
+
+def test_a_run_stopped_with_sigterm_shows_cancelled_with_its_line_in_the_logs(server, tmp_path):
+    """Interrupted runs used to show as Crashed, with none of their one line in the run's logs."""
+    from tests.reliability.procs import finish, start_and_wait_for_training
+
+    url, env, _ = server
+    root, log = tmp_path / "run", tmp_path / "run.log"
+    proc, _ = start_and_wait_for_training(env, root, log)
+    os.kill(proc.pid, signal.SIGTERM)
+    rc, _ = finish(proc, 60)
+    line = log.read_text().strip().splitlines()[-1]
+    assert rc == 128 + signal.SIGTERM and line.startswith("draftflow: interrupted (SIGTERM) at train step"), line
+    with _client(url) as client:
+        runs = _eventually(lambda: [r for r in _runs_by_flow(client).get("draftflow-pipeline", [])
+                                    if r.parameters.get("cfg", {}).get("root") == str(root)])
+        assert len(runs) == 1
+        state = _eventually(lambda: client.read_flow_run(runs[0].id).state)
+        assert state.name == "Cancelled" and state.message == line
+        assert _eventually(lambda: [g for g in _logs_of(client, runs[0].id) if g.message == line])
+        train = _eventually(lambda: [r for r in _runs_by_flow(client).get("train", [])
+                                     if r.parent_task_run_id and client.read_task_run(r.parent_task_run_id)
+                                     .flow_run_id == runs[0].id])
+        assert train and client.read_flow_run(train[0].id).state.name == "Cancelled"
