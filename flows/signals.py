@@ -217,7 +217,8 @@ def _end_children(grace_s: float = 5.0) -> None:
                 parent[int(stat.parent.name)] = int(fields[1])
         found, todo = [], [os.getpid()]
         while todo:
-            kids = [p for p, pp in parent.items() if pp == todo.pop()]
+            at = todo.pop()
+            kids = [p for p, pp in parent.items() if pp == at]
             found += kids
             todo += [] if direct else kids
         # multiprocessing's resource tracker ignores SIGTERM by design and ends itself, cleaning up, once this
