@@ -90,7 +90,7 @@ test-reliability: $(STAMP)
 
 # .ci/run's two lanes split the reliability suite by file: RELIABILITY_B runs beside the vLLM leg, the rest
 # (a new file too) beside test-slow. Together they are test-reliability, each test once.
-RELIABILITY_B := tests/reliability/test_s3_faults.py tests/reliability/test_prefect_lost.py \
+RELIABILITY_B := tests/reliability/test_s3_faults.py tests/reliability/test_prefect_lost.py tests/reliability/test_refresh_kill.py \
 	tests/reliability/test_netns.py tests/reliability/test_storage_faults.py tests/reliability/test_ray_netns.py
 test-reliability-a: $(STAMP)
 	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15 $(addprefix --ignore=,$(RELIABILITY_B))

@@ -44,9 +44,7 @@ def pipeline(cfg: RunConfig) -> dict:
         log = get_run_logger()
         for stage in registry():  # curate -> regenerate -> tokenize -> extract -> train -> evaluate
             results[stage.name] = run_stage_flow(stage.name, cfg, target, results)
-            r = results[stage.name]  # its summary in the pipeline run's own logs too (the UI opens there first)
-            log.info("%s %s: %d %s in, %d out, dropped %s -> %s", stage.name, r.status, r.manifest.rows_in,
-                     spec(stage.name).unit, r.manifest.rows_out, r.manifest.dropped or "nothing", r.path)
+            log_stage(log, results[stage.name])  # in the pipeline run's own logs too (the UI opens there first)
             if downstream_of(stage.name):  # empty: one line naming the stage, not a crash in a later one
                 require_rows(results[stage.name].manifest)
         flush_progress()  # each stage's last figures reach the UI (sent from a thread: a lost API never blocks)
@@ -56,6 +54,12 @@ def pipeline(cfg: RunConfig) -> dict:
     log.info("mean acceptance length tau = %s%s", _tau(summary["tau"]),
              f"; serve setting: {summary['serve_note']}" if summary.get("serve_note") else "")
     return summary
+
+
+def log_stage(log, r: StageResult) -> None:
+    """A stage's summary line in the calling flow run's logs."""
+    log.info("%s %s: %d %s in, %d out, dropped %s -> %s", r.stage, r.status, r.manifest.rows_in, spec(r.stage).unit,
+             r.manifest.rows_out, r.manifest.dropped or "nothing", r.path)
 
 
 def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> dict:

@@ -35,7 +35,7 @@ from draftflow.stages.registry import downstream_of, registry
 from draftflow.store import Store
 from flows.common import publish_table
 from flows.keys import artifact_key, run_key
-from flows.pipeline import publish_summary, run_stage_flow, summarize
+from flows.pipeline import log_stage, publish_summary, run_stage_flow, summarize
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
 from flows.signals import note_run
@@ -97,10 +97,12 @@ def refresh(cfg: RunConfig) -> dict:
             if stage.name == "evaluate":
                 break
             results[stage.name] = run_stage_flow(stage.name, run_cfg, target, results)
+            log_stage(log, results[stage.name])
             if downstream_of(stage.name):
                 require_rows(results[stage.name].manifest)
         live_eval = _evaluate_live(run_cfg, store, target, results, live)
         results["evaluate"] = run_stage_flow("evaluate", run_cfg, target, results)
+        log_stage(log, results["evaluate"])
         verdict = apply_gate(store, _gated(cfg, run_cfg, live_eval), results["evaluate"], results["train"])
         publish_table(run_cfg, "evaluate", "gate", verdict["checks"], "refresh gate: measured value, threshold, passed")
         results["evaluate"] = results["evaluate"].model_copy(update={"gate": verdict})
