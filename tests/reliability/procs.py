@@ -46,6 +46,15 @@ def snapshot_code(dest: Path) -> Path:
     return dest
 
 
+def temporary_server_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of CLI runs that start Prefect's temporary server (no PREFECT_API_URL), from a snapshot of
+    the code, with a PREFECT_HOME of their own."""
+    code = snapshot_code(tmp_path_factory.mktemp("code"))
+    home = tmp_path_factory.mktemp("prefect-home")
+    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

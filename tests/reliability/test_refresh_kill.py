@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.reliability.procs import TINY, code_dir, snapshot_code
+from tests.reliability.procs import TINY, code_dir, temporary_server_env
 from tests.traffic_logs import requests, write_log
 
 pytestmark = pytest.mark.reliability
@@ -21,10 +21,7 @@ pytestmark = pytest.mark.reliability
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    code = snapshot_code(tmp_path_factory.mktemp("code"))
-    home = tmp_path_factory.mktemp("prefect-home")
-    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
+    return temporary_server_env(tmp_path_factory)
 
 
 def _refresh(root, logs, *sets: str) -> list[str]:

@@ -22,9 +22,9 @@ from tests.reliability.procs import (
     descendants,
     finish,
     run_to_end,
-    snapshot_code,
     start_and_wait_for,
     start_and_wait_for_training,
+    temporary_server_env,
 )
 
 pytestmark = pytest.mark.reliability
@@ -37,10 +37,7 @@ LOCK = ".draftflow-lock.json"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The CLI with its own temporary Prefect server (the case that used to outlive the run)."""
-    code = snapshot_code(tmp_path_factory.mktemp("code"))
-    home = tmp_path_factory.mktemp("prefect-home")
-    base = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    return {**base, "PREFECT_HOME": str(home), "CODE_SNAPSHOT": str(code)}
+    return temporary_server_env(tmp_path_factory)
 
 
 
