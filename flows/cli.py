@@ -148,6 +148,11 @@ def cmd_refresh(args) -> int:
     extra = [f"refresh.traffic={os.path.abspath(args.traffic) if '://' not in args.traffic else args.traffic}"] \
         if args.traffic else []
     cfg = load_config(args.config, [*args.overrides, *extra])
+    from draftflow.refresh import batches, history
+    from draftflow.store import Store
+
+    store = Store(cfg.root)  # a missing or unset traffic path answers in one line, before Prefect starts
+    batches.check_traffic(store, cfg.refresh, history.finished(store))
     start = time.time()
     result = _in_prefect(cfg, "refresh")
     if "nothing" in result:

@@ -318,3 +318,12 @@ def test_pipeline_summary_resolves_the_manifests_relative_paths_and_makes_the_se
     assert " -m vllm.entrypoints.openai.api_server --model /models/target --dtype auto " in line  # runs as printed
     spec = json.loads(line.split("--speculative-config ", 1)[1].strip("'"))
     assert spec == {"method": "dflash", "model": f"{where}/export/vllm", "num_speculative_tokens": 7}
+
+
+def test_refresh_with_a_missing_traffic_path_or_none_is_one_line_before_prefect_starts(tmp_path):
+    _one_line_error(_cli("refresh", "configs/tiny.yaml", "--set", f"root={tmp_path / 'run'}", "--traffic",
+                         str(tmp_path / "no-logs")), "no-logs does not exist; point it at the folder")
+    _one_line_error(_cli("refresh", "configs/tiny.yaml", "--set", f"root={tmp_path / 'run'}"),
+                    "set refresh.traffic in the config or pass --traffic PATH")
+    proc = _cli("history", str(tmp_path / "nowhere"))
+    _one_line_error(proc, "no run root at")

@@ -82,14 +82,7 @@ def take_batch(store: Store, rcfg: RefreshConfig, finished: set[int]) -> tuple[B
     pending = [b for b in batches if b.n not in finished]
     if pending:
         return pending[-1], True
-    if not rcfg.traffic:
-        raise ConfigError("no traffic to refresh from: set refresh.traffic in the config or pass --traffic PATH "
-                          "(a folder or s3:// prefix of JSONL request logs)")
-    try:
-        files = log_files(rcfg.traffic)
-    except FileNotFoundError:
-        raise ConfigError(f"refresh.traffic={rcfg.traffic} does not exist; point it at the folder or s3:// prefix "
-                          "the request logs are written to") from None
+    files = traffic_files(rcfg)
     seen = {f for b in batches for f in b.files}
     new = {f: size for f, size in files if f not in seen}
     if not new:
@@ -97,6 +90,29 @@ def take_batch(store: Store, rcfg: RefreshConfig, finished: set[int]) -> tuple[B
     batch = _write_batch(store, Batch(n=len(batches) + 1, files=new), rcfg.holdout)
     _save(store, [*batches, batch])  # only now are the files seen: their rows are committed above
     return batch, False
+
+
+def check_traffic(store: Store, rcfg: RefreshConfig, finished: set[int]) -> None:
+    """Before any work (`draftflow refresh` asks before Prefect starts): a refresh that has no unfinished batch to
+    resume needs its traffic path. Raises ConfigError in one line (`traffic_files`)."""
+    if all(b.n in finished for b in watermark(store)):
+        traffic_files(rcfg)
+
+
+def traffic_files(rcfg: RefreshConfig) -> list[tuple[str, int]]:
+    """The log files under `refresh.traffic` (`traffic.log_files`); `draftflow refresh` asks before Prefect starts.
+
+    Raises:
+        ConfigError: no traffic path is set, or nothing is there (one line naming the setting).
+    """
+    if not rcfg.traffic:
+        raise ConfigError("no traffic to refresh from: set refresh.traffic in the config or pass --traffic PATH "
+                          "(a folder or s3:// prefix of JSONL request logs)")
+    try:
+        return log_files(rcfg.traffic)
+    except FileNotFoundError:
+        raise ConfigError(f"refresh.traffic={rcfg.traffic} does not exist; point it at the folder or s3:// prefix "
+                          "the request logs are written to") from None
 
 
 def _write_batch(store: Store, batch: Batch, fraction: float) -> Batch:
