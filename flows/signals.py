@@ -147,15 +147,29 @@ def _cancel(run_id: str, line: str) -> None:
         from prefect.states import Cancelled
 
         with get_client(sync_client=True) as client:
-            subflows = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[run_id])))
-            for run in [*subflows, client.read_flow_run(run_id)]:
+            runs, parents = [client.read_flow_run(run_id)], [run_id]
+            while parents:  # its subflows, and theirs (a deployment's run -> the pipeline -> each stage's flow)
+                found = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)))
+                runs, parents = runs + found, [str(r.id) for r in found]
+            for run in runs:
                 if run.state is None or not run.state.is_final() or run.state.is_crashed():
                     client.set_flow_run_state(run.id, Cancelled(message=line), force=True)
             client.create_logs([LogCreate(name="draftflow", level=30, message=line, flow_run_id=run_id,
                                           timestamp=datetime.now(timezone.utc))])
     except Exception:  # noqa: BLE001 - the UI is told when it can be; the run ends in its line regardless
         pass
+
+
+def on_crashed(flow, flow_run, state) -> None:
+    """The `on_crashed` hook of draftflow's top flows: a run stopped by SIGTERM outside the CLI (Prefect cancelling
+    a deployment's run, a worker, Kubernetes or systemd stopping it) shows as Cancelled with its one line, as the
+    CLI's own runs do (`mark_cancelled`), instead of Crashed. Other crashes are left as they are."""
+    import signal
+
+    if _ARMED.is_set() or flow_run.parent_task_run_id is not None or "termination signal" not in (state.message or ""):
+        return
+    _cancel(str(flow_run.id), interrupted_line(signal.SIGTERM).replace("re-run the same command", "run it again"))
 
 
 def stop_line(why: str) -> str:

@@ -400,3 +400,46 @@ def test_a_run_stopped_with_sigterm_shows_cancelled_with_its_line_in_the_logs(se
                                      if r.parent_task_run_id and client.read_task_run(r.parent_task_run_id)
                                      .flow_run_id == runs[0].id])
         assert train and client.read_flow_run(train[0].id).state.name == "Cancelled"
+
+
+def test_cancelling_a_deployment_run_from_prefect_stops_it_on_its_worker_and_shows_cancelled(server, config_file):
+    """Prefect cancels a running deployment run by SIGTERM in its process (the worker's): the run stops at its next
+    training step with a checkpoint, shows as Cancelled (not Crashed) with its one line, its stage subflows too,
+    and nothing it started is left running."""
+    from prefect.states import Cancelling
+
+    from tests.reliability.procs import alive, descendants
+
+    url, env, tmp = server
+    proc = _cli(env, "deploy", "--name", "manual")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    root = tmp / "cancelled"
+    params = {"config_path": str(config_file),
+              "overrides": [f"root={root}", "train.max_steps=2000", "train.checkpoint_every=8"]}
+    with _client(url) as client:
+        run_id = client.create_flow_run_from_deployment(
+            client.read_deployment_by_name("draftflow-pipeline-from-file/manual").id, parameters=params).id
+    with open(tmp / "cancel-worker.log", "w") as log:
+        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "gpu", "--type", "process"], cwd=ROOT,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            assert _eventually(lambda: len(list(root.glob("train/*/work/checkpoints/step_*"))) >= 2, timeout=600,
+                               every=0.5), (tmp / "cancel-worker.log").read_text()[-3000:]
+            started = descendants(worker.pid) - {worker.pid}
+            with _client(url) as client:
+                client.set_flow_run_state(run_id, Cancelling(message="cancelled by the test"), force=True)
+                state = _eventually(lambda: (s := client.read_flow_run(run_id).state).is_final()
+                                    and s.name == "Cancelled" and s, timeout=120, every=0.5)
+                assert state and state.message.startswith("draftflow: interrupted (SIGTERM) at train step"), \
+                    client.read_flow_run(run_id).state
+                logs = _eventually(lambda: [g for g in _logs_of(client, run_id) if g.message == state.message])
+                assert logs
+                nested = [r for r in client.read_flow_runs() if r.name != client.read_flow_run(run_id).name
+                          and r.state.name not in ("Completed", "Cancelled")
+                          and str(r.parameters.get("cfg", {}).get("root", "")) == str(root)]
+                assert not nested, [(r.name, r.state.name) for r in nested]
+            assert _eventually(lambda: not alive(started), timeout=60), alive(started)
+            assert any(root.glob("train/*/work/checkpoints/step_*"))  # the step it stopped at is kept
+        finally:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(timeout=60)
