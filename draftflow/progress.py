@@ -44,6 +44,8 @@ class Progress:
         """Seconds left at the current rate (None before a rate is known)."""
         if self.done >= self.total:
             return 0.0
+        if self.unit == "phases":  # unlike steps (seconds to minutes each): their rate predicts nothing
+            return None
         return None if not self.rate else (self.total - self.done) / self.rate
 
     @property
@@ -214,14 +216,35 @@ class Phases:
     def __init__(self, stage: str, names: list[str]) -> None:
         self.stage, self.names, self.seconds = stage, list(names), {}
         self._mark = time.monotonic()
+        _phases[stage] = self
         report(stage, 0, len(self.names), "phases")
 
     def done(self, name: str) -> None:
         now = time.monotonic()
         self.seconds[name] = round(now - self._mark, 1)
         self._mark = now
-        report(self.stage, len(self.seconds), max(len(self.names), len(self.seconds)), "phases")
+        report(self.stage, len(self.seconds), max(len(self.names), len(self.seconds)), "phases", note="")
         log.info("%s: %s took %s", self.stage, name, duration(self.seconds[name]))
+        if len(self.seconds) >= len(self.names):
+            _phases.pop(self.stage, None)
+
+    def within(self, done: int, total: int, unit: str) -> None:
+        """How far the phase in progress got (`decode 12/24 prompts`), shown with the stage's progress: phases are
+        unlike, so their count alone says nothing for minutes, and no ETA is drawn from it."""
+        now = self.names[len(self.seconds)] if len(self.seconds) < len(self.names) else "finishing"
+        report(self.stage, len(self.seconds), max(len(self.names), len(self.seconds)), "phases",
+               note=f"{now} {done}/{total} {unit}")
+
+
+_phases: dict[str, Phases] = {}
+
+
+def within(stage: str, done: int, total: int, unit: str) -> None:
+    """A loop inside a phase of `stage` (evaluate's decode, DDTree) says how far it got; nothing when the stage
+    keeps no `Phases` (a library caller outside a stage)."""
+    phases = _phases.get(stage)
+    if phases is not None:
+        phases.within(done, total, unit)
 
 
 def phase_line(seconds: dict[str, float]) -> str:

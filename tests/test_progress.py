@@ -80,3 +80,23 @@ def test_phases_report_each_end_keep_their_times_in_order_and_read_as_one_line(h
     assert progress.phase_line(phases.seconds) == "decode 4 s, ddtree 0 s, vllm 2.4 min"
     assert heard[-1].stage == "stage-p" and heard[-1].unit == "phases" and (heard[-1].done, heard[-1].total) == (3, 3)
     assert "stage-p: vllm took 2.4 min" in caplog.text
+
+
+def test_a_phase_says_how_far_it_got_and_phases_draw_no_eta(monkeypatch):
+    """Evaluate counted 4 phases, then was silent for 12 minutes after an "ETA 4.9 min": inside a phase the loop
+    now says how far it got, and a count of unlike phases gives no ETA."""
+    now = [0.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    phases = progress.Phases("stage-w", ["decode", "ddtree"])
+    now[0] = 30.0
+    progress.within("stage-w", 3, 24, "prompts")
+    line = progress.snapshot("stage-w").line()
+    assert line.startswith("stage-w 0/2 phases (0%)") and line.endswith("decode 3/24 prompts") and "ETA" not in line
+    phases.done("decode")
+    now[0] = 40.0
+    progress.within("stage-w", 1, 4, "tree decodes")
+    assert progress.snapshot("stage-w").line().endswith("ddtree 1/4 tree decodes") and "ETA" not in line
+    phases.done("ddtree")
+    assert progress.snapshot("stage-w").note == "" and "stage-w" not in progress._phases
+    progress.within("stage-w", 1, 2, "prompts")  # no phases kept for the stage any more: nothing happens
+    assert progress.snapshot("stage-w").note == ""

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from draftflow import progress
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.dflash import spec as dflash_kind
 from draftflow.drafters.dflash.model import DFlashDrafter
@@ -291,9 +292,10 @@ def evaluate_ddtree(
     drafts = drafter.config.block_size - 1
     drafter.eval()
     report: dict[str, dict] = {}
-    for budget in sorted(set(budgets)):
+    for b, budget in enumerate(sorted(set(budgets))):
         lengths, tokens = [], 0
         for i, prompt in enumerate(chosen):
+            progress.within("evaluate", b * len(chosen) + i, len(set(budgets)) * len(chosen), "tree decodes")
             spec, acc = tree_generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, budget, round_features)
             if spec != refs[i]:  # none given, or from another (KV-cached) loop: judge by the uncached greedy
                 refs[i] = greedy_generate(target, prompt, ecfg.max_new_tokens, eos_ids)

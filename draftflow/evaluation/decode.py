@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from draftflow import progress
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import LosslessError
@@ -207,6 +208,7 @@ def evaluate_prompts(
         outputs.append(spec)
         per_prompt.append(sum(acc) / len(acc) if acc else None)
         per_step.append(acc)
+        progress.within("evaluate", i + 1, len(chosen), "prompts")
     return acceptance_stats(lengths, drafts_per_step(drafter) + 1) | {
         "tokens": sum(len(o) for o in outputs),
         "prompts": len(chosen),
