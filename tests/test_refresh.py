@@ -181,3 +181,26 @@ def test_regenerate_copies_what_an_earlier_stage_answered_and_generates_only_new
     old = set(again) & set(first)
     assert old and all(again[s]["generated"] == first[s]["generated"] for s in old)
     assert len(set(generated)) >= 4 and set(generated) == set(again) - set(first)  # only rows none answered
+
+
+def test_traffic_and_root_on_s3_make_the_same_batch(tmp_path, s3_env):
+    """Request logs under an s3:// prefix and a run root on S3 (a real S3-compatible server): the batch, its files
+    and the sources curate reads are s3:// URLs, and the watermark holds the logs' URLs."""
+    import s3fs
+
+    from draftflow.config import SourceConfig
+    from draftflow.data.readers import source_files
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("refresh-logs")
+    write_log(tmp_path, "day1.jsonl", requests(20, 4), bad=True)
+    fs.put(str(tmp_path / "day1.jsonl"), "refresh-logs/chat/day1.jsonl")
+    store = Store("s3://refresh-logs/runs/r")
+    batch, _ = batches.take_batch(store, RefreshConfig(traffic="s3://refresh-logs/chat", holdout=0.3), set())
+    assert list(batch.files) == ["s3://refresh-logs/chat/day1.jsonl"] and batch.new_rows == 20
+    assert batch.rejected == {"malformed_json": 1, "no_user_turn": 1, "missing_messages": 1}
+    sources = batches.sources_for(store, batch, "recent")
+    assert all(s["path"].startswith("s3://refresh-logs/runs/r/refresh/traffic/") for s in sources)
+    files = source_files(SourceConfig(**sources[0]))
+    assert files == ["s3://refresh-logs/runs/r/refresh/traffic/batch-0001/train.jsonl"]
+    assert [b.n for b in batches.watermark(store)] == [1]
