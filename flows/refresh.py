@@ -54,7 +54,7 @@ def candidate_config(cfg: RunConfig, store: Store, batch: Batch, warm: bool) -> 
         data["train"]["init_from"] = "promoted"
         if cfg.refresh.warm_steps is not None:
             data["train"]["max_steps"] = max(1, math.ceil(cfg.train.max_steps * cfg.refresh.warm_steps))
-    data["evaluate"]["gate"] = {}  # applied by the refresh itself, against the promoted drafter (`_judge`)
+    data["evaluate"]["gate"] = {}  # applied by the refresh itself, against the promoted drafter (`_gated`)
     return validate_config(data, f"refresh batch {batch.n}")
 
 
