@@ -24,7 +24,10 @@ def promoted_export(store: Store) -> tuple[str, str] | None:
     """(train fingerprint, its vLLM-native export folder) of the drafter this root's gate promoted last (the most
     recently written marker: a gate that passes writes it again), or None when nothing is promoted."""
     current = (pointer(store) or {}).get("current")
-    if current and store.exists(marker_path(store, current["train"])):  # withdrawn by a later gate: fall through
+    # Its marker gone with its export folder: deleted by hand (named, so a warm start can say so); its marker gone
+    # alone: withdrawn by a later gate (the newest marker left is the one).
+    if current and (store.exists(marker_path(store, current["train"]))
+                    or not store.exists(store.stage_path("train", current["train"], "export"))):
         return current["train"], store.stage_path("train", current["train"], "export", "vllm")
     markers = store.fs.glob(marker_path(store, "*"))
     if not markers:

@@ -148,11 +148,9 @@ def cmd_refresh(args) -> int:
     extra = [f"refresh.traffic={os.path.abspath(args.traffic) if '://' not in args.traffic else args.traffic}"] \
         if args.traffic else []
     cfg = load_config(args.config, [*args.overrides, *extra])
-    from draftflow.refresh import batches, history
-    from draftflow.store import Store
+    from draftflow.refresh.preflight import check_refresh
 
-    store = Store(cfg.root)  # a missing or unset traffic path answers in one line, before Prefect starts
-    batches.check_traffic(store, cfg.refresh, history.finished(store))
+    check_refresh(cfg)  # a missing traffic path or a deleted promoted drafter: one line, before Prefect starts
     start = time.time()
     result = _in_prefect(cfg, "refresh")
     if "nothing" in result:

@@ -28,6 +28,7 @@ from draftflow.gating import apply_gate
 from draftflow.promotion import promoted_export
 from draftflow.refresh import history
 from draftflow.refresh.batches import Batch, sources_for, take_batch
+from draftflow.refresh.preflight import check_refresh
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows, stage_result
@@ -160,6 +161,7 @@ def refresh_from_file(config_path: str, overrides: list[str] | None = None, traf
 
     cfg = load_config(config_path, [*(overrides or []), *([f"refresh.traffic={traffic}"] if traffic else [])])
     preflight(cfg)
+    check_refresh(cfg)
     result = refresh(cfg)
     get_run_logger().info(result.get("nothing") or result["history"])  # the decision, where the deployment's run is
     return result

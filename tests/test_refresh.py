@@ -204,3 +204,21 @@ def test_traffic_and_root_on_s3_make_the_same_batch(tmp_path, s3_env):
     files = source_files(SourceConfig(**sources[0]))
     assert files == ["s3://refresh-logs/runs/r/refresh/traffic/batch-0001/train.jsonl"]
     assert [b.n for b in batches.watermark(store)] == [1]
+
+
+def test_a_pointer_naming_a_deleted_export_is_one_line_before_a_refresh(tmp_path):
+    """The promoted pointer names a drafter whose export was deleted by hand: the refresh stops before any work in
+    one line (a gate's withdrawal, which removes the marker alone, falls back to the newest marker instead)."""
+    from draftflow.refresh.preflight import check_refresh
+    from tests.conftest import tiny_config
+
+    logs = tmp_path / "logs"
+    write_log(logs, "a.jsonl", requests(3, 1))
+    cfg = tiny_config(tmp_path / "run", f"refresh.traffic={logs}")
+    store = Store(cfg.root)
+    check_refresh(cfg)  # nothing promoted yet: a first, cold refresh
+    record_promotion(store, "c" * 16, evaluate="e", tau=1.4)  # its export never written (or deleted)
+    assert promoted_export(store)[0] == "c" * 16
+    with pytest.raises(ConfigError, match=r"train.init_from='promoted': the promoted drafter .*cccc.* is gone") as exc:
+        check_refresh(cfg)
+    assert "\n" not in str(exc.value)
