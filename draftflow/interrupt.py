@@ -26,6 +26,7 @@ from draftflow.errors import DraftflowError
 _STOP = threading.Event()
 _IDLE = threading.Condition()
 _active = 0
+_graces: list[float] = []  # each active `stoppable` block's grace (how long a stop may wait for it)
 _where: list[str] = []
 _why: list[str] = []
 _stage: list[str] = []
@@ -52,23 +53,33 @@ def reason() -> str | None:
 
 
 @contextmanager
-def stoppable() -> Iterator[None]:
-    """A loop that stops between its steps once a stop is `requested()`; `wait_stoppable` waits for it to end."""
+def stoppable(grace_s: float | None = None) -> Iterator[None]:
+    """A loop that stops between its steps once a stop is `requested()`; `wait_stoppable` waits for it to end.
+
+    `grace_s`: how long a stop may wait for this loop's step in flight (None: as long as the caller allows). A
+    loop whose step is long and cheap to redo (a generate call of regenerate: its chunk is not saved) sets it, so
+    a stop is not held by it for minutes; training leaves it None (its step ends in a checkpoint worth waiting for).
+    """
     global _active
+    grace = float("inf") if grace_s is None else grace_s
     with _IDLE:
         _active += 1
+        _graces.append(grace)
     try:
         yield
     finally:
         with _IDLE:
             _active -= 1
+            _graces.remove(grace)
             _IDLE.notify_all()
 
 
 def wait_stoppable(timeout: float) -> bool:
-    """Wait up to `timeout` seconds for every `stoppable` block to end; whether they all did."""
+    """Wait up to `timeout` seconds (or the longest grace of the blocks running, if shorter) for every `stoppable`
+    block to end; whether they all did."""
     with _IDLE:
-        return _IDLE.wait_for(lambda: _active == 0, timeout)
+        limit = min([timeout, max(_graces)]) if _graces else timeout
+        return _IDLE.wait_for(lambda: _active == 0, limit)
 
 
 HELD = (signal.SIGTERM, signal.SIGINT)

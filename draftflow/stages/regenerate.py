@@ -45,6 +45,9 @@ from draftflow.target import TargetRef
 
 log = logging.getLogger(__name__)
 STAGE = "regenerate"
+# A stop waits this long for the generate call in flight (then its chunk, unsaved, is redone by the re-run): a batch
+# of long answers on a real target takes minutes, and schedulers SIGKILL 30 s after their SIGTERM.
+STOP_GRACE_S = 8.0
 
 
 def sampling_params(rcfg: RegenerateConfig, target_path: str) -> SamplingParams:
@@ -276,7 +279,7 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
     engine = make_engine(rcfg, target.path, cfg.target.dtype, cfg.target.device, cfg.target.revision)
     chat, params = ChatFormat.from_pretrained(target.path), sampling_params(rcfg, target.path)
     provenance, limit, cut = provenance_of(engine, cfg, target, params), context_limit(cfg, target.path), 0
-    with interrupt.stoppable():
+    with interrupt.stoppable(grace_s=STOP_GRACE_S):
         try:
             for i in range(0, len(todo), rcfg.checkpoint_every):
                 out, rej, n_cut = regenerate_chunk(todo[i:i + rcfg.checkpoint_every], engine, chat, rcfg, params,
