@@ -25,7 +25,8 @@ def env(tmp_path_factory):
 
 
 def _refresh(root, logs, *sets: str) -> list[str]:
-    args = [f"root={root}", f"refresh.traffic={logs}", "lock.ttl_s=5", *TINY, "train.max_steps=200", *sets]
+    # long enough to be still training after the second refresh has started and stopped (10-20 s)
+    args = [f"root={root}", f"refresh.traffic={logs}", "lock.ttl_s=5", *TINY, "train.max_steps=1500", *sets]
     return [sys.executable, "-m", "flows.cli", "refresh", "configs/tiny.yaml", *[f"--set={s}" for s in args]]
 
 
@@ -48,6 +49,7 @@ def test_a_refresh_killed_mid_train_resumes_its_batch_and_the_watermark_stays_ri
         assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
         assert second.stderr.strip().count("\n") == 0 and "draftflow: error:" in second.stderr, second.stderr
         assert (root / "refresh/watermark.json").read_text() == watermark
+        assert not any(root.glob("train/*/manifest.json")), "training ended before the kill: raise train.max_steps"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     (logs / "day2.jsonl").unlink()  # the resumed refresh must take only its own batch's files
