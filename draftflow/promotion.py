@@ -15,9 +15,14 @@ PROMOTED = "promoted.json"
 POINTER = "promoted.json"  # <root>/promoted.json: the drafter in service, and every one promoted before it
 
 
+def export_path(store: Store, train_fp: str, *parts: str) -> str:
+    """The export folder of train stage `train_fp` (or a path inside it): the one place this module names it."""
+    return store.stage_path("train", train_fp, "export", *parts)
+
+
 def marker_path(store: Store, train_fp: str) -> str:
     """Where the `promoted` marker of the train stage `train_fp`'s export lives."""
-    return store.stage_path("train", train_fp, "export", PROMOTED)
+    return export_path(store, train_fp, PROMOTED)
 
 
 def promoted_export(store: Store) -> tuple[str, str] | None:
@@ -27,14 +32,14 @@ def promoted_export(store: Store) -> tuple[str, str] | None:
     # Its marker gone with its export folder: deleted by hand (named, so a warm start can say so); its marker gone
     # alone: withdrawn by a later gate (the newest marker left is the one).
     if current and (store.exists(marker_path(store, current["train"]))
-                    or not store.exists(store.stage_path("train", current["train"], "export"))):
-        return current["train"], store.stage_path("train", current["train"], "export", "vllm")
+                    or not store.exists(export_path(store, current["train"]))):
+        return current["train"], export_path(store, current["train"], "vllm")
     markers = store.fs.glob(marker_path(store, "*"))
     if not markers:
         return None
     newest = max(markers, key=lambda m: store.fs.modified(m).timestamp())
     fp = newest.rstrip("/").split("/")[-3]  # <root>/train/<fp>/export/promoted.json
-    return fp, store.stage_path("train", fp, "export", "vllm")
+    return fp, export_path(store, fp, "vllm")
 
 
 def pointer(store: Store) -> dict[str, Any] | None:
@@ -49,7 +54,7 @@ def record_promotion(store: Store, train_fp: str, **about: Any) -> dict[str, Any
     Args:
         about: what to keep with it (the evaluation, its tau, the target's fingerprint, the run's name).
     """
-    entry = {"train": train_fp, "export": store.url(store.stage_path("train", train_fp, "export", "vllm")),
+    entry = {"train": train_fp, "export": store.url(export_path(store, train_fp, "vllm")),
              "at": datetime.now(timezone.utc).isoformat(timespec="seconds"), **about}
     old = pointer(store) or {"history": []}
     same = old.get("current") or {}
