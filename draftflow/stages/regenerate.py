@@ -313,8 +313,10 @@ def answered_before(store: Store, fp: str, cfg: RunConfig, target: TargetRef, to
     found: dict[str, dict] = {}
     for other in sorted(store.fs.glob(store.stage_path(STAGE, "*", "answers.key"))):
         other_fp = other.rstrip("/").split("/")[-2]
-        manifest = store.read_manifest(STAGE, other_fp) if other_fp != fp else None
-        if manifest is None or store.fs.cat_file(other).decode() != key:
+        if other_fp == fp or store.fs.cat_file(other).decode() != key:  # the small key file first: a manifest
+            continue  # read checks every shard's checksum, which stages of other settings need not pay
+        manifest = store.read_manifest(STAGE, other_fp)
+        if manifest is None:
             continue
         for entry in manifest.data_shards():
             path = store.local_path(store.stage_path(STAGE, other_fp, entry.name), entry.sha256)
