@@ -216,10 +216,12 @@ class Phases:
     def __init__(self, stage: str, names: list[str]) -> None:
         self.stage, self.names, self.seconds = stage, list(names), {}
         self._mark = time.monotonic()
+        self._counted: list | None = None  # [done, total, unit] of the phase in progress (`count`, `tick`)
         _phases[stage] = self
         report(stage, 0, len(self.names), "phases")
 
     def done(self, name: str) -> None:
+        self._counted = None
         now = time.monotonic()
         self.seconds[name] = round(now - self._mark, 1)
         self._mark = now
@@ -237,6 +239,25 @@ class Phases:
 
 
 _phases: dict[str, Phases] = {}
+
+
+def count(stage: str, total: int, unit: str) -> None:
+    """The phase of `stage` in progress is `total` units of work done by calls spread over several functions
+    (evaluate's vLLM engine runs); each `tick` counts one."""
+    phases = _phases.get(stage)
+    if phases is not None:
+        phases._counted = [0, total, unit]
+        phases.within(0, total, unit)
+
+
+def tick(stage: str, fewer: int = 0) -> None:
+    """One unit of the counted phase done (`fewer`=n, with no unit done: n of the planned units will not run)."""
+    phases = _phases.get(stage)
+    if phases is not None and phases._counted is not None:
+        c = phases._counted
+        c[0] += 0 if fewer else 1
+        c[1] = max(c[0], c[1] - fewer)
+        phases.within(*c)
 
 
 def within(stage: str, done: int, total: int, unit: str) -> None:

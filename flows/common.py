@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from draftflow import interrupt, progress
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.stages.common import fingerprint, stage_result, tidy_complete
-from draftflow.stages.registry import stage_gpus
+from draftflow.stages.registry import spec, stage_gpus
 from draftflow.store import Store
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key, run_key
@@ -72,7 +73,7 @@ def map_shards(task_fn, store: Store, stage: str, shards: list,
     task_fn = with_storage(task_fn, store)
     fixed = {k: unmapped(v) for k, v in kwargs.items()}
     try:
-        with gpu_slot(task_fn, gpus=stage_gpus(kwargs["cfg"], stage)):
+        with gpu_slot(gpus=stage_gpus(kwargs["cfg"], stage)) if spec(stage).gpu == "shards" else nullcontext():
             futures = task_fn.map(shard=shards, **fixed)
             by_rows = all(isinstance(s, ShardEntry) for s in shards)  # curate's source parts have no row count
             track(run_key(kwargs["cfg"]), stage, sum(s.rows for s in shards) if by_rows else len(shards),

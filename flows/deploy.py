@@ -38,16 +38,17 @@ def prefect_command() -> list[str]:
     return [str(beside)] if beside.exists() else ["prefect"]
 
 
-def gpu_slot(task_or_stage=None, gpus: int = 1):
-    """A context holding this stage's GPU slots, or nothing when `DRAFTFLOW_GPU_LIMIT` is unset.
+def gpu_slot(gpus: int = 1):
+    """A context holding GPU slots for a stage the registry runs on GPU workers, or nothing when
+    `DRAFTFLOW_GPU_LIMIT` is unset (make demo, tests, a laptop: no setup needed).
 
-    `task_or_stage`: a Prefect task (its `gpu` tag decides) or None for a stage known to use the GPU.
+    The limit counts the GPU pool's jobs, so a GPU stage holds its slots whatever device it finds on its
+    worker (its task runs are tagged by that device: `registry.device_tags`).
     `gpus`: how many GPUs the stage itself uses (torchrun processes, a vLLM tensor-parallel group);
     it takes the larger of that and `DRAFTFLOW_GPUS`, so an 8-GPU training run holds 8 slots.
     """
     name = os.environ.get(GPU_LIMIT_ENV)
-    tags = getattr(task_or_stage, "tags", {"gpu"})
-    if not name or "gpu" not in tags:
+    if not name:
         return nullcontext()
     return _occupy(name, max(gpus, int(os.environ.get(GPU_COUNT_ENV, "1"))))
 

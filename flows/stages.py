@@ -20,7 +20,7 @@ from draftflow.plan import check_space
 from draftflow.stages.common import Source, finalize
 from draftflow.stages.curate import check_sources, plan_parts, token_counter
 from draftflow.stages.extract import bad_shards, drop_manifest_if_damaged, online_manifest
-from draftflow.stages.registry import spec, stage_inputs
+from draftflow.stages.registry import device_tags, spec, stage_inputs
 from draftflow.target import TargetRef
 from draftflow.training.metrics import metrics_table
 from flows.common import map_shards, publish_table, reuse, run_stage
@@ -57,20 +57,15 @@ def curate_flow(cfg: RunConfig) -> StageResult:
     return result
 
 
-def shard_task(stage: str):
-    """The shard task of a registry stage: named after it, tagged `gpu` when its shards use one."""
-    return T.stage_shard.with_options(name=f"{stage}-shard", tags={"gpu"} if spec(stage).gpu == "shards" else set())
-
-
-EXTRACT_SHARD = shard_task("extract")
+def shard_task(stage: str, cfg: RunConfig):
+    """The shard task of a registry stage: named after it, tagged `gpu` when its shards use one in this run."""
+    return T.stage_shard.with_options(name=f"{stage}-shard", tags=device_tags(cfg, stage))
 
 
 @functools.cache  # one flow per stage name
 def sharded_stage_flow(stage: str):
     """The flow of a registry stage with one task per input shard (`StageSpec.run_shard`): the
     spec's check, its shard tasks over the upstream's shards, the spec's finish, the manifest."""
-    task_fn = shard_task(stage)
-
     @flow(name=stage, task_runner=StageTaskRunner(stage))
     def stage_flow(cfg: RunConfig, target: dict, upstream: StageResult) -> StageResult:
         s = spec(stage)  # read at run time: a test may put a stage in front of this one
@@ -79,8 +74,9 @@ def sharded_stage_flow(stage: str):
         def work(store, fp):
             if s.check:  # e.g. an unreachable endpoint fails here, before any shard
                 s.check(cfg, target_ref(target))
-            results = map_shards(task_fn, store, stage, upstream.manifest.data_shards(s.split), cfg=cfg, fp=fp,
-                                 target=target, stage_name=stage, source=list(Source.of(upstream.manifest)))
+            shards = upstream.manifest.data_shards(s.split)
+            results = map_shards(shard_task(stage, cfg), store, stage, shards, cfg=cfg, fp=fp, target=target,
+                                 stage_name=stage, source=list(Source.of(upstream.manifest)))
             results, extra = s.finish(store, fp, cfg, target_ref(target), results) if s.finish else (results, {})
             return finalize(store, stage, fp, cfg, inputs, results, extra=extra)
         return run_stage(cfg, stage, inputs, work)
@@ -102,7 +98,7 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
             return online_manifest(store, fp, cfg, inputs, tokenized)
         check_space(cfg, tokenized.manifest, target_ref(target), fp=fp)  # before any shard
         shards = tokenized.manifest.data_shards("train")
-        results = map_shards(EXTRACT_SHARD, store, "extract", shards,
+        results = map_shards(shard_task("extract", cfg), store, "extract", shards,
                              verify=lambda entries: set(bad_shards(store, fp, entries)),
                              cfg=cfg, fp=fp, target=target, stage_name="extract",
                              source=list(Source.of(tokenized.manifest)))
@@ -132,7 +128,8 @@ def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResu
 
     def work(store, fp):
         with every_core():
-            return T.train_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
+            task = T.train_drafter.with_options(tags=device_tags(cfg, "train"))
+            return task(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
     result = run_stage(cfg, "train", inputs, work)
     metrics = result.manifest.extra.get("metrics") or {}
     publish_table(cfg, "train", "metrics", metrics_table(metrics),
@@ -150,8 +147,8 @@ def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: S
 
     def work(store, fp):
         with every_core():
-            return T.evaluate_drafter(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated,
-                                      trained=trained)
+            task = T.evaluate_drafter.with_options(tags=device_tags(cfg, "evaluate"))
+            return task(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated, trained=trained)
     result = run_stage(cfg, "evaluate", inputs, work)
     return gate_stage(cfg, result, trained)  # also on a reused stage: thresholds are in no fingerprint
 

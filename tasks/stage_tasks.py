@@ -61,16 +61,16 @@ def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> Manifest:
 @task(name="stage-shard", **SHARD)
 def stage_shard(cfg: RunConfig, fp: str, target: dict, stage_name: str, source: list[str],
                 shard: ShardEntry) -> ShardResult:
-    """One shard of a registry stage with a `run_shard` (flows name it `<stage>-shard` and tag GPU stages)."""
+    """One shard of a registry stage with a `run_shard` (flows name it `<stage>-shard` and tag it by device)."""
     return spec(stage_name).run_shard(Store(cfg.root), fp, cfg, TargetRef(**target), Source(*source), shard)
 
 
-@task(name="train-drafter", tags=["gpu"], **STAGE)
+@task(name="train-drafter", **STAGE)
 def train_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, features: FeatureSource) -> Manifest:
     return train.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, features)
 
 
-@task(name="evaluate-drafter", tags=["gpu"], **STAGE)
+@task(name="evaluate-drafter", **STAGE)
 def evaluate_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, curated: StageResult,
                      trained: StageResult) -> Manifest:
     return evaluate.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, curated, trained)

@@ -100,3 +100,24 @@ def test_a_phase_says_how_far_it_got_and_phases_draw_no_eta(monkeypatch):
     assert progress.snapshot("stage-w").note == "" and "stage-w" not in progress._phases
     progress.within("stage-w", 1, 2, "prompts")  # no phases kept for the stage any more: nothing happens
     assert progress.snapshot("stage-w").note == ""
+
+
+def test_a_counted_phase_follows_its_units_across_functions_and_drops_those_not_run(monkeypatch):
+    """evaluate's vLLM phase: `count` plans the engine runs, each `tick` is one, `fewer` drops planned runs the
+    serve choice does not need; the next phase starts uncounted."""
+    phases = progress.Phases("stage-c", ["baselines", "vllm", "last"])
+    progress.tick("stage-c")  # nothing counted yet: no note
+    assert progress.snapshot("stage-c").note == ""
+    phases.done("baselines")
+    progress.count("stage-c", 6, "vLLM engine runs")
+    assert progress.snapshot("stage-c").line().endswith("vllm 0/6 vLLM engine runs")
+    progress.tick("stage-c")
+    progress.tick("stage-c")
+    assert progress.snapshot("stage-c").note == "vllm 2/6 vLLM engine runs"
+    progress.tick("stage-c", fewer=3)  # the choice serves one setting of the three planned
+    assert progress.snapshot("stage-c").note == "vllm 2/3 vLLM engine runs"
+    progress.tick("stage-c", fewer=5)  # never fewer than done
+    assert progress.snapshot("stage-c").note == "vllm 2/2 vLLM engine runs"
+    phases.done("vllm")
+    progress.tick("stage-c")  # the count ended with its phase
+    assert progress.snapshot("stage-c").note == ""

@@ -155,6 +155,10 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
         for stage in STAGES:  # stage flows are subflows of the pipeline run
             assert runs[stage][0].parent_task_run_id is not None
             assert client.read_task_run(runs[stage][0].parent_task_run_id).flow_run_id == pipeline_run.id
+        tags = {t.name.split("-")[0]: set(t.tags) for s in ("regenerate", "extract", "train", "evaluate")
+                for t in _task_runs_of(client, runs[s][0].id)}
+        # A CPU-only run: its GPU stages' task runs say so (Ray asks for GPUs by the tag)
+        assert tags == {"regenerate": {"cpu"}, "extract": {"cpu"}, "train": {"cpu"}, "evaluate": {"cpu"}}, tags
 
         from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draftflow import progress
 from draftflow.errors import ConfigError, LosslessError
 from draftflow.store import Store, digest, sha256_file
 
@@ -219,7 +220,7 @@ def decode_others(
 
     loop = speculative_generate_cached if ecfg.kv_cache else speculative_generate
     report: dict[str, Any] = {}
-    for other, drafter, rounding in others:
+    for n, (other, drafter, rounding) in enumerate(others):
         drafter.eval()
         lengths, outputs = [], []
         for i, prompt in enumerate(prompts):
@@ -230,6 +231,7 @@ def decode_others(
                 raise LosslessError(f"evaluate.compare_with {other.name}: {exc}") from None
             lengths.append(acc)
             outputs.append(tokens)
+            progress.within("evaluate", n * len(prompts) + i + 1, len(others) * len(prompts), "decodes")
         width = drafts_per_step(drafter) + 1
         report[other.label] = with_counts(lengths, outputs, width) | {
             "categories": split_stats(lengths, outputs, categories, width),

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from draftflow import progress
 from draftflow.evaluation import serve_choice
 from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
@@ -62,6 +63,7 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
          name -> `ServedResult` of each method, for the caller's lossless and τ checks).
     """
     plain = serve_with_vllm(job)  # with `job.probe_positions`, it also probes the cost of verifying
+    progress.tick("evaluate")
     first = job.batches[0]
     same = sum(a == b for a, b in zip(plain.tokens_by_batch[first], greedy))
     out: dict[str, Any] = {
@@ -78,10 +80,13 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
     runs = {}
     for name, (export, spec) in methods.items():
         runs[name] = serve_with_vllm(job, export, spec)
+        progress.tick("evaluate")
         out["methods"][name] = _record(job, runs[name], plain)
         log.info("served %s: speedup %s", name, out["methods"][name]["speedup"])
     if plain.probe:
         out["choice"] = choose_and_serve(job, methods, plain, runs)
+    else:
+        progress.tick("evaluate", fewer=len(job.batches))  # no setting is chosen: none is served
     return out, runs
 
 
@@ -141,18 +146,21 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
         costs[b] = {"step_s": plain_step(plain, b), "verify_s": verify,  # what the prediction read
                     "proposers": {p.name: {"drafting_share": p.drafting_share, "draft_s": p.draft_s,
                                            "overhead_s": p.overhead_s} for p in proposers}}
-    measured: dict[str, Any] = {}
+    chosen: dict[str, tuple[str, int]] = {}  # setting -> (method name, drafts), each setting once
     for c in choices.values():
-        if c.setting == "plain" or c.setting in measured:
-            continue
-        name = next(n for n, (e, sp) in methods.items() if _label(_spec_of(e, sp)) == c.proposer)
-        export, spec = methods[name]
-        sc = _spec_of(export, spec)
-        if c.drafts == int(sc["num_speculative_tokens"]):
-            measured[c.setting] = runs[name]
+        if c.setting != "plain" and c.setting not in chosen:
+            chosen[c.setting] = (next(n for n, m in methods.items() if _label(_spec_of(*m)) == c.proposer), c.drafts)
+    served_as = {n: int(_spec_of(*methods[n])["num_speculative_tokens"]) for n in methods}
+    again = [s for s, (name, k) in chosen.items() if k != served_as[name]]
+    progress.tick("evaluate", fewer=len(job.batches) - len(again))  # `serve_exports` counted one per batch size
+    measured: dict[str, Any] = {}
+    for setting, (name, k) in chosen.items():
+        if k == served_as[name]:  # already measured as its method
+            measured[setting] = runs[name]
         else:
-            measured[c.setting] = serve_with_vllm(job, export, with_drafts(sc, c.drafts))
-        log.info("served the chosen %s: tokens/s %s", c.setting, measured[c.setting].tok_s)
+            measured[setting] = serve_with_vllm(job, methods[name][0], with_drafts(_spec_of(*methods[name]), k))
+            progress.tick("evaluate")
+        log.info("served the chosen %s: tokens/s %s", setting, measured[setting].tok_s)
     out = {}
     for b, c in choices.items():
         run = measured.get(c.setting)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from draftflow import progress
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation import speedup
@@ -87,6 +88,7 @@ def run_baselines(
         LosslessError: a baseline's output differs from `reference` (the loop would be wrong).
     """
     report: dict[str, dict[str, Any]] = {}
+    decodes, done = sum(not isinstance(b, NoDraft) for b in baselines) * len(prompts), 0
     for base in baselines:
         if isinstance(base, NoDraft):  # greedy itself: one token a step after the prefill's, nothing to decode
             lengths, outputs = [[1] * max(len(ref) - 1, 0) for ref in reference], list(reference)
@@ -97,6 +99,8 @@ def run_baselines(
                 check_lossless(i, tokens, reference[i])
                 lengths.append(acc)
                 outputs.append(tokens)
+                done += 1
+                progress.within("evaluate", done, decodes, "baseline decodes")
         width = base.max_drafts + 1
         report[base.name] = with_counts(lengths, outputs, width) | {
             "categories": split_stats(lengths, outputs, categories, width)

@@ -297,7 +297,12 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: Stag
     record, runs = None, {}
     with tempfile.TemporaryDirectory(prefix="draftflow-exports-") as tmp:
         folders = _export_folders(store, trained, Path(tmp))
-        if cfg.evaluate.served_batches and "vllm" in folders:
+        timed = bool(cfg.evaluate.served_batches and "vllm" in folders)
+        # Its engine runs, for progress: each export format once (the vLLM-native one as a timed method), and when
+        # timed plain decoding, each served baseline and at most one chosen setting per batch size.
+        baselines, batches = len(cfg.evaluate.served_baselines), len(cfg.evaluate.served_batches)
+        progress.count(STAGE, len(folders) + (1 + baselines + batches if timed else 0), "vLLM engine runs")
+        if timed:
             drafts = speculative_config(folders["vllm"])["num_speculative_tokens"]
             methods = {cfg.drafter.kind: (folders["vllm"], None)}
             methods |= {name: (None, prompt_lookup_config(drafts)) for name in cfg.evaluate.served_baselines}
@@ -305,7 +310,10 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: Stag
             record, timed_runs = served_speed.measure(timed, methods, outputs)
             runs["vllm"] = timed_runs[cfg.drafter.kind]
         for fmt, folder in folders.items():
-            served = runs.get(fmt) or serve_with_vllm(job, folder)
+            if fmt not in runs:
+                runs[fmt] = serve_with_vllm(job, folder)
+                progress.tick(STAGE)
+            served = runs[fmt]
             check_served(fmt, served, outputs, tau, cfg.evaluate.vllm_tau_tolerance)
             report[fmt] = {"tau": served.tau, "acceptance_rate": served.acceptance_rate, "drafts": served.drafts}
     return report, record

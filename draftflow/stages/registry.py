@@ -122,6 +122,8 @@ class StageSpec:
         sections: config sections (or dotted fields) in its fingerprint (`config.STAGE_SECTIONS`).
         gpu: "shards" (each shard task holds GPU slots), "stage" (the whole stage holds them) or None.
         gpus: GPUs one unit of work occupies under a config (0 for CPU stages).
+        device: `cfg -> the device setting its work runs on` ("auto", "cpu", "cuda:1", "remote" for an
+            endpoint) for a `gpu` stage; its task runs are tagged `gpu` or `cpu` from it (`device_tags`).
         split: which upstream shards the stage maps over ("train"; None: all).
         uses_target: whether the target's fingerprint is one of its inputs.
         sections: config sections (or dotted fields) in its fingerprint; None: `config.STAGE_SECTIONS`.
@@ -142,6 +144,7 @@ class StageSpec:
     about: str = ""
     gpu: str | None = None
     gpus: Callable[[RunConfig], int] = _no_gpus
+    device: Callable[[RunConfig], str] | None = None
     split: str | None = None
     uses_target: bool = True
     sections: tuple[str, ...] | None = None
@@ -179,6 +182,7 @@ _REGISTRY: list[StageSpec] = _chained([
               seconds=_seconds("curate"), unit="conversations"),
     StageSpec("regenerate", about="Regenerate the answers with the target.", gpu="shards",
               gpus=_vllm_group(lambda c: c.regenerate.engine), split="train",
+              device=lambda c: "remote" if c.regenerate.engine == "openai" else c.target.device,
               run_shard=_in_stage("regenerate", "run_shard"), check=_in_stage("regenerate", "check_engine"),
               libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
               unit="conversations"),
@@ -188,14 +192,16 @@ _REGISTRY: list[StageSpec] = _chained([
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
               more_inputs=_tokenize_inputs, unit="sequences"),
     StageSpec("extract", about="Capture the target's hidden states at the taps.", gpu="shards",
-              gpus=_vllm_group(lambda c: c.extract.engine), split="train", run_shard=_in_stage("extract", "run_shard"),
+              gpus=_vllm_group(lambda c: c.extract.engine), device=lambda c: c.target.device, split="train",
+              run_shard=_in_stage("extract", "run_shard"),
               libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"),
               more_inputs=_extract_inputs, unit="sequences"),
     StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
+              device=lambda c: c.train.device,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), more_inputs=_train_inputs,
               unit="sequences"),
     StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",
-              gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine),
+              gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine), device=lambda c: c.evaluate.device,
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
               more_inputs=_compare_with_inputs, unit="prompts"),
 ])
@@ -267,6 +273,27 @@ def stage_gpus(cfg: RunConfig, stage: str) -> int:
     """GPUs one unit of `stage` occupies (at least 1 for a stage that uses the GPU at all)."""
     s = spec(stage)
     return max(1, s.gpus(cfg)) if s.gpu else 1
+
+
+def on_gpu(cfg: RunConfig, stage: str) -> bool:
+    """Whether `stage`'s work runs on a GPU in this run, from its device setting. `auto` is decided where the
+    run starts (CUDA visible or not), except for a stage placed on Ray, where `runner.gpus_per_task` asks the
+    cluster for GPUs."""
+    s = spec(stage)
+    device = s.device(cfg) if s.gpu and s.device else "cpu"
+    if device != "auto":
+        return device.startswith("cuda")
+    if cfg.runner.kind == "ray" and stage in cfg.runner.stages:
+        return cfg.runner.gpus_per_task > 0
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def device_tags(cfg: RunConfig, stage: str) -> set[str]:
+    """The tag of `stage`'s task runs in this run: `gpu` where its work uses one (`on_gpu`), else `cpu`. Ray
+    asks for `runner.gpus_per_task` GPUs for a `gpu` task; the UI shows which runs held a GPU."""
+    return {"gpu"} if on_gpu(cfg, stage) else {"cpu"}
 
 
 def external_inputs(cfg: RunConfig, stage: str) -> dict[str, str]:

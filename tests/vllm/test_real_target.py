@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from draftflow import progress
 from draftflow.data.schema import read_rows
 from tests.conftest import ROOT
 from tests.reliability.procs import wait_healthy
@@ -57,7 +58,15 @@ def smol_run(prefect_harness, tmp_path_factory):
     root = tmp_path_factory.mktemp("smollm2") / "run"
     cfg = load_config(ROOT / "configs" / "smollm2.yaml", [f"root={root}", *SMALL])
     cfg.curate.sources = [s for s in cfg.curate.sources if s.self_instruct is None]  # tests/test_self_instruct.py
-    return cfg, pipeline(cfg)
+    progress.add_sink("evaluate-notes", lambda p: EVALUATE_NOTES.append(p.note) if p.stage == "evaluate" else None,
+                      interval=0.0)
+    try:
+        return cfg, pipeline(cfg)
+    finally:
+        progress.remove_sink("evaluate-notes")
+
+
+EVALUATE_NOTES: list[str] = []  # what evaluate's progress said inside its phases, in order
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +129,13 @@ def test_both_exports_are_served_losslessly_and_the_served_speedup_is_measured(s
         assert all(m["tok_s"][b] > 0 and m["speedup"][b] > 0 for b in ("1", "2"))
         assert set(m["tau_per_category"]) == {"chat", "code", "math"}
     assert abs(served["methods"]["dflash"]["tau"] - report["tau"]) <= 0.5  # vLLM's τ next to draftflow's
+    # Progress inside the phases: the baselines' decodes, then the vLLM engine runs (plain, dflash, the
+    # speculators export; the chosen settings when they differ from what ran), counted up to their end.
+    notes = [n for n in EVALUATE_NOTES if n]
+    assert any(n.startswith("baselines ") and n.endswith(" baseline decodes") for n in notes), notes
+    runs = [n.split()[1] for n in notes if n.startswith("vllm ") and n.endswith(" vLLM engine runs")]
+    assert runs[0].startswith("0/") and runs[-1].split("/")[0] == runs[-1].split("/")[1], runs
+    assert 3 <= int(runs[-1].split("/")[1]) <= 5, runs  # 3 + at most one chosen setting per batch size
 
 
 def _free_port() -> int:
