@@ -58,7 +58,7 @@ def train_variant(store, cfg, target, features) -> dict[str, Any]:
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
-    source = open_features(store, "extract", features.fingerprint, features.shards)  # taps (+ the final state)
+    source = open_features(store, features.stage, features.fingerprint, features.shards)  # taps (+ the final state)
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         m = train_drafter(source, model, dcfg, cfg.train, out, resume=False,
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from draftflow.config import load_config
-    from draftflow.contracts import StoredFeatures
+    from draftflow.contracts import feature_source
     from draftflow.runstate import stage_states
     from draftflow.store import Store
     from draftflow.target import resolve_target
@@ -90,7 +90,7 @@ def main() -> None:
     if manifest is None:
         raise SystemExit(f"no complete extract stage for {args.config} in {base.root}: run it first "
                          "(draftflow run CONFIG --set ... stops nowhere earlier; its train stage may be cut short)")
-    features = StoredFeatures(fingerprint=manifest.fingerprint, shards=manifest.data_shards("train"))
+    features = feature_source(manifest)
     rows = {}
     for name in args.variants.split(","):
         cfg = variant_config(base, VARIANTS[name])

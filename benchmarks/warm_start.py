@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     from draftflow.config import load_config
-    from draftflow.contracts import StoredFeatures
+    from draftflow.contracts import feature_source
     from draftflow.feature_stream import open_features
     from draftflow.runstate import stage_states
     from draftflow.store import Store
@@ -91,10 +91,10 @@ def main() -> None:
                 else stage_states(cfg, target.fingerprint)[1].get("extract"))
     if manifest is None:
         raise SystemExit(f"no complete extract stage for {args.config} in {cfg.root}: run it first")
-    features = StoredFeatures(fingerprint=manifest.fingerprint, shards=manifest.data_shards("train"))
+    features = feature_source(manifest)
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.target.device)
     dcfg, vocab = drafter_config(store, cfg, model, tokenizer, features)
-    every = open_features(store, "extract", features.fingerprint, features.shards)
+    every = open_features(store, features.stage, features.fingerprint, features.shards)
     old = Subset(every, [i for i, s in enumerate(every.sample_ids) if not is_new(s)])
     print(f"sequences: old {len(old)}, new {len(every) - len(old)} (+{(len(every) - len(old)) / len(old):.0%}), "
           f"steps {cfg.train.max_steps}, held-out every {args.every}", flush=True)

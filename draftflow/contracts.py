@@ -55,7 +55,6 @@ class ShardEntry(BaseModel):
     kind: str | None = None  # tokenize: "freq" for the token counts
     layer_ids: tuple[int, ...] | None = None  # extract: the taps stored (decoder layer outputs)
     dtype: str | None = None  # extract: the storage format of the features
-    tokenize_fingerprint: str | None = None  # extract: the tokenize stage the sequences came from
     sequences: int | None = Field(None, ge=0)  # tokenize: rows (sequences) the shard's conversations became
     supervised_tokens: int | None = Field(None, ge=0)  # tokenize: tokens under the loss mask
 
@@ -127,6 +126,19 @@ class Manifest(_Frozen):
         """The data shards, optionally of one split (`split=None`: every shard)."""
         return [s for s in self.shards if split is None or s.split == split]
 
+    def size(self) -> dict[str, Any]:
+        """What the stage measured, as `plan` and `status` both show it: rows out; tokens its work covered (the
+        tokens trained on, `extra.trained_tokens`; the sequences' tokens of features computed online,
+        `extra.tokens`; else its shards' tokens); bytes; and per split what the next stage reads (0 rows
+        where it keeps no split; train_tokens None where its rows are not counted in tokens)."""
+        tokens = next((self.extra[k] for k in ("trained_tokens", "tokens") if self.extra.get(k) is not None),
+                      self.tokens)
+        train = self.data_shards("train")
+        return {"basis": "measured", "rows": self.rows_out, "tokens": tokens,
+                "bytes": sum(s.bytes for s in self.shards), "train_rows": sum(s.rows for s in train),
+                "train_tokens": sum(s.tokens for s in train) or None,
+                "eval_rows": sum(s.rows for s in self.data_shards("eval"))}
+
     def to_json(self) -> dict[str, Any]:
         """The manifest as written to disk (and digested): JSON values, unset shard fields left out."""
         data = self.model_dump(mode="json", exclude={"shards", "rejected"})
@@ -145,20 +157,49 @@ class StageResult(_Frozen):
     gate: dict[str, Any] | None = None  # evaluate: the verdict of `evaluate.gate`, applied after the stage
 
 
+class CarriedFile(_Frozen):
+    """A side file a stage made for stages further on (tokenize's token counts), as those stages read it:
+    the folder it is in (the stage and fingerprint that wrote it) and its entry. A stage passes on the
+    side files it was handed and does not replace (`carry`), so a stage put in between needs no edit."""
+
+    stage: str
+    fingerprint: str
+    entry: ShardEntry
+
+
+CARRIED = "carried"  # the manifest's extra key: name -> CarriedFile
+
+
+def carried(manifest: Manifest) -> dict[str, CarriedFile]:
+    """The side files `manifest`'s stage hands on, by name."""
+    return {k: CarriedFile.model_validate(v) for k, v in (manifest.extra.get(CARRIED) or {}).items()}
+
+
+def carry(upstream: Manifest, extra: dict[str, Any]) -> dict[str, Any]:
+    """A stage's manifest `extra` with the side files it hands on: its upstream's, replaced or added to by name
+    by its own (`extra[CARRIED]`)."""
+    files = {k: v.model_dump(mode="json") for k, v in carried(upstream).items()} | (extra.get(CARRIED) or {})
+    return {**extra, CARRIED: files} if files else extra
+
+
 class StoredFeatures(_Frozen):
     """Features the extract stage stored: its train shards (each with the taps it holds)."""
 
     mode: Literal["stored"] = "stored"
-    fingerprint: str  # the extract stage's
+    stage: str  # the stage (folder) that stored them
+    fingerprint: str
     shards: tuple[ShardEntry, ...]
+    token_counts: CarriedFile | None = None  # tokenize's counts of supervised tokens (draft vocabularies)
 
 
 class OnlineFeatures(_Frozen):
-    """Features computed per training step by a co-located target from the tokenize stage's shards."""
+    """Features computed per training step by a co-located target from the sequences extract was handed."""
 
     mode: Literal["online"] = "online"
-    tokenize_fingerprint: str
+    stage: str  # the stage (folder) holding the sequences: tokenize, or a stage put after it
+    fingerprint: str
     shards: tuple[ShardEntry, ...]
+    token_counts: CarriedFile | None = None
 
 
 FeatureSource = Annotated[StoredFeatures | OnlineFeatures, Field(discriminator="mode")]
@@ -169,20 +210,17 @@ def read_feature_source(data: dict[str, Any]) -> StoredFeatures | OnlineFeatures
     return TypeAdapter(FeatureSource).validate_python(data)
 
 
-def feature_source(extract: StageResult) -> StoredFeatures | OnlineFeatures:
-    """Where train reads its features, from the extract stage's result (stored shards or online mode)."""
-    m = extract.manifest
+def feature_source(extract: StageResult | Manifest) -> StoredFeatures | OnlineFeatures:
+    """Where train reads its features, from the extract stage's result or manifest (stored shards or online
+    mode), with the token counts handed on to it."""
+    m = extract.manifest if isinstance(extract, StageResult) else extract
+    counts = carried(m).get("token_counts")
     if m.extra.get("mode") == "online":
-        tok = m.extra["tokenize"]
-        return OnlineFeatures(tokenize_fingerprint=tok["fingerprint"], shards=tok["shards"])
-    return StoredFeatures(fingerprint=extract.fingerprint, shards=m.data_shards("train"))
-
-
-def tokenize_fingerprints(source: FeatureSource) -> set[str | None]:
-    """The tokenize stage(s) the features were made from (train finds the token counts there)."""
-    if isinstance(source, OnlineFeatures):
-        return {source.tokenize_fingerprint}
-    return {s.tokenize_fingerprint for s in source.shards}
+        seq = m.extra["sequences"]
+        return OnlineFeatures(stage=seq["stage"], fingerprint=seq["fingerprint"], shards=seq["shards"],
+                              token_counts=counts)
+    return StoredFeatures(stage=m.stage, fingerprint=m.fingerprint, shards=m.data_shards("train"),
+                          token_counts=counts)
 
 
 def check_manifest(data: Any, where: str) -> Manifest | None:

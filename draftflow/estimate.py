@@ -17,7 +17,6 @@ import os
 from typing import Any
 
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest
 from draftflow.drafters.registry import DRAFTERS, drafter_spec
 from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
@@ -51,11 +50,6 @@ def feature_bytes_per_token(cfg: RunConfig, n_taps: int, hidden: int) -> int:
 def feature_bytes(cfg: RunConfig, tokens: int, n_taps: int, hidden: int) -> int:
     """Bytes the extract stage writes for `tokens` tokens (0 in online mode: nothing is stored)."""
     return 0 if cfg.extract.mode == "online" else tokens * feature_bytes_per_token(cfg, n_taps, hidden)
-
-
-def train_tokens(tokenize_manifest: Manifest) -> int:
-    """Tokens (supervised and context) of the tokenize stage's train sequences: what extract reads."""
-    return sum(s.tokens for s in tokenize_manifest.data_shards("train"))
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -106,23 +100,6 @@ def source_estimate(cfg: RunConfig) -> tuple[int | None, float]:
     if cfg.curate.total_rows:
         rows = min(rows, cfg.curate.total_rows)
     return rows, nbytes / max(1, rows)
-
-
-def _split_rows(manifest: Manifest, split: str) -> int:
-    return sum(s.rows for s in manifest.data_shards(split))
-
-
-def measured_size(stage: str, m: Manifest) -> dict[str, Any]:
-    """A complete stage's size, from its manifest."""
-    tokens = m.extra.get("tokens", m.tokens) if stage == "extract" else m.tokens
-    if stage == "train":
-        tokens = m.extra.get("trained_tokens", tokens)
-    size = {"basis": "measured", "rows": m.rows_out, "tokens": tokens, "bytes": sum(s.bytes for s in m.shards)}
-    if stage in ("curate", "tokenize"):
-        size["train_rows"] = _split_rows(m, "train")
-        size["train_tokens"] = train_tokens(m) if stage == "tokenize" else None
-        size["eval_rows"] = _split_rows(m, "eval")
-    return size
 
 
 # Size models, one per stage (`StageSpec.size`): (cfg, upstream size or None, sizes so far, ctx) -> size.

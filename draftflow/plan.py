@@ -26,11 +26,9 @@ from draftflow.estimate import (
     assumptions,
     feature_bytes,
     hardware,
-    measured_size,
     model_shape,
     source_estimate,
     target_config,
-    train_tokens,
 )
 from draftflow.runstate import stage_states
 from draftflow.stages.curate import check_sources
@@ -212,7 +210,7 @@ def check_space(cfg: RunConfig, tokenize_manifest: Manifest, target: TargetRef,
     taps = len(feature_ids(cfg.drafter, tcfg.num_hidden_layers))
     # + the largest shard again: a shard's in-shard checkpoint parts live until it is merged.
     largest = max((s.tokens for s in tokenize_manifest.data_shards("train")), default=0)
-    needed = feature_bytes(cfg, train_tokens(tokenize_manifest) + largest, taps, tcfg.hidden_size)
+    needed = feature_bytes(cfg, (tokenize_manifest.size()["train_tokens"] or 0) + largest, taps, tcfg.hidden_size)
     avail = free(cfg.root) if needed else None
     store, done = Store(cfg.root), 0
     if avail is not None and fp and store.exists(store.stage_path("extract", fp)):
@@ -258,7 +256,7 @@ def stage_sizes(cfg: RunConfig, manifests: dict[str, Manifest], ctx: dict) -> di
     sizes: dict[str, dict[str, Any]] = {}
     for stage in stage_names():
         if stage in manifests:
-            sizes[stage] = measured_size(stage, manifests[stage])
+            sizes[stage] = manifests[stage].size()
         else:
             sizes[stage] = {"basis": "estimated", "bytes": None} | _estimate(stage, cfg, sizes, ctx)
     return sizes

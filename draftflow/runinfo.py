@@ -105,7 +105,8 @@ def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
         entry["path"] = store.url(store.stage_path(s["stage"], fp)) if fp else None
         if s["state"] == "complete":
             m = manifests[s["stage"]]
-            entry |= {"rows_in": m.rows_in, "rows_out": m.rows_out, "dropped": m.dropped, "tokens": m.tokens,
+            entry |= {"rows_in": m.rows_in, "rows_out": m.rows_out, "dropped": m.dropped,
+                      "tokens": m.size()["tokens"],  # what `plan` says it measured
                       "shards": len(m.shards), "bytes": sum(x.bytes for x in m.shards), "manifest": m}
         else:
             entry["progress"] = stage_progress(store, cfg, s["stage"], fp, manifests) if fp else None

@@ -14,7 +14,7 @@ from prefect import flow
 
 from draftflow import progress
 from draftflow.config import RunConfig
-from draftflow.contracts import StageResult, feature_source
+from draftflow.contracts import StageResult, carry, feature_source
 from draftflow.data.stats import table_rows
 from draftflow.plan import check_space
 from draftflow.stages.common import Source, finalize
@@ -78,7 +78,7 @@ def sharded_stage_flow(stage: str):
             results = map_shards(shard_task(stage, cfg), store, stage, shards, cfg=cfg, fp=fp, target=target,
                                  stage_name=stage, source=list(Source.of(upstream.manifest)))
             results, extra = s.finish(store, fp, cfg, target_ref(target), results) if s.finish else (results, {})
-            return finalize(store, stage, fp, cfg, inputs, results, extra=extra)
+            return finalize(store, stage, fp, cfg, inputs, results, extra=carry(upstream.manifest, extra))
         return run_stage(cfg, stage, inputs, work)
     return stage_flow
 
@@ -102,7 +102,7 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
                              verify=lambda entries: set(bad_shards(store, fp, entries)),
                              cfg=cfg, fp=fp, target=target, stage_name="extract",
                              source=list(Source.of(tokenized.manifest)))
-        return finalize(store, "extract", fp, cfg, inputs, results)
+        return finalize(store, "extract", fp, cfg, inputs, results, extra=carry(tokenized.manifest, {}))
     return run_stage(cfg, "extract", inputs, work)
 
 

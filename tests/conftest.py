@@ -179,7 +179,7 @@ def one_shard_features(cfg, tiny_target):
     store, _, _, _, tres = run_front(cfg, tiny_target)
     eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
     manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
-    return store, StoredFeatures(fingerprint="exfp", shards=manifest.data_shards("train"))
+    return store, StoredFeatures(stage="extract", fingerprint="exfp", shards=manifest.data_shards("train"))
 
 
 @pytest.fixture(scope="module")

@@ -80,15 +80,32 @@ def test_a_damaged_manifest_means_the_stage_is_recomputed(tmp_path, monkeypatch,
 
 
 def test_feature_sources_round_trip_through_json_as_a_rank_receives_them():
-    from draftflow.contracts import OnlineFeatures, StoredFeatures, read_feature_source
+    from draftflow.contracts import CarriedFile, OnlineFeatures, StoredFeatures, read_feature_source
 
-    entry = {"name": "a.safetensors", "rows": 2, "bytes": 10, "sha256": SHA, "split": "train",
-             "layer_ids": [1, 3], "tokenize_fingerprint": "tok"}
-    stored = StoredFeatures(fingerprint="ex", shards=(entry,))
-    online = OnlineFeatures(tokenize_fingerprint="tok", shards=({k: entry[k] for k in ("name", "rows", "bytes",
-                                                                                        "sha256")},))
+    entry = {"name": "a.safetensors", "rows": 2, "bytes": 10, "sha256": SHA, "split": "train", "layer_ids": [1, 3]}
+    counts = CarriedFile(stage="tokenize", fingerprint="tok", entry={"name": "token_freq.parquet", "rows": 5,
+                                                                      "bytes": 9, "sha256": SHA, "kind": "freq"})
+    stored = StoredFeatures(stage="extract", fingerprint="ex", shards=(entry,), token_counts=counts)
+    online = OnlineFeatures(stage="filter", fingerprint="fi", shards=({k: entry[k] for k in ("name", "rows", "bytes",
+                                                                                              "sha256")},))
     for source in (stored, online):
         assert read_feature_source(json.loads(json.dumps(source.model_dump(mode="json")))) == source
-    assert stored.shards[0].layer_ids == (1, 3)
+    assert stored.shards[0].layer_ids == (1, 3) and stored.token_counts.entry.kind == "freq"
     with pytest.raises(ValidationError):
         read_feature_source({"mode": "somewhere", "shards": []})
+
+
+def test_side_files_are_handed_on_by_a_stage_in_between_unless_it_replaces_them(tmp_path, monkeypatch):
+    """tokenize's token counts reach train through a stage put after tokenize (and through extract)."""
+    from draftflow.contracts import CARRIED, CarriedFile, carried, carry
+
+    _, manifest = _written(tmp_path, monkeypatch)
+    counts = CarriedFile(stage="tokenize", fingerprint="tok", entry={"name": "token_freq.parquet", "rows": 5,
+                                                                      "bytes": 9, "sha256": SHA, "kind": "freq"})
+    tokenized = manifest.model_copy(update={"extra": {CARRIED: {"token_counts": counts.model_dump(mode="json")}}})
+    filtered = manifest.model_copy(update={"extra": carry(tokenized, {"kept": 3})})
+    assert carried(filtered) == {"token_counts": counts} and filtered.extra["kept"] == 3
+    own = CarriedFile(stage="filter", fingerprint="fi", entry=counts.entry)
+    replaced = carry(filtered, {CARRIED: {"token_counts": own.model_dump(mode="json")}})
+    assert carried(manifest.model_copy(update={"extra": replaced})) == {"token_counts": own}
+    assert carry(manifest, {"a": 1}) == {"a": 1}  # nothing to hand on: the extra as it was

@@ -36,12 +36,12 @@ def _online(cfg, store, tok_shard, tiny_target, *overrides):
     return cfg, extract.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
 
 
-def test_online_extract_stores_nothing_and_points_at_the_tokenize_rows(front, tiny_target):
+def test_online_extract_stores_nothing_and_points_at_the_sequences_it_was_handed(front, tiny_target):
     cfg, store, tok = front
     ocfg, m, xfp = _online(cfg, store, tok, tiny_target)
     assert m.shards == () and m.extra["mode"] == "online"
     assert m.rows_out == tok.rows and m.extra["tokens"] == tok.tokens
-    assert m.extra["tokenize"]["shards"] == [tok.to_json()]
+    assert m.extra["sequences"] == {"stage": "tokenize", "fingerprint": "tokfp", "shards": [tok.to_json()]}
     assert store.read_manifest("extract", xfp) == m  # complete: a rerun reuses it
 
 

@@ -33,7 +33,7 @@ import torch
 from draftflow import progress
 from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, carry
 from draftflow.data.schema import read_rows
 from draftflow.drafters.taps import feature_ids
 from draftflow.errors import ConfigError
@@ -139,9 +139,8 @@ def run_shard(store: Store, fp: str, cfg: RunConfig, target: TargetRef, source: 
         parts = _open_parts(store, _part_paths(store, fp, name), tmp)
         with store.writing(store.stage_path(STAGE, fp, name)) as out:
             tokens = merge_feature_shards(out, parts, [sample_key(r) for r in rows])
-            # tokenize_fingerprint: where train finds the draft vocabulary (EAGLE-3's d2t/t2d).
             entry = shard_entry(name, out, rows=len(rows), tokens=tokens, split=shard.split, layer_ids=layer_ids,
-                                dtype=cfg.extract.dtype, tokenize_fingerprint=source.fingerprint)
+                                dtype=cfg.extract.dtype)
     _clear_parts(store, fp, name)
     log.info("extracted %s: %d sequences, %d tokens, taps %s, %s", name, len(rows), tokens, layer_ids,
              cfg.extract.dtype)
@@ -197,6 +196,7 @@ def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str
     shards = tokenized.manifest.data_shards("train")
     rows, tokens = sum(s.rows for s in shards), sum(s.tokens for s in shards)
     result = ShardResult(shard=None, rows_in=rows, rows_out=rows)
-    extra = {"mode": "online", "tokens": tokens,
-             "tokenize": {"fingerprint": tokenized.fingerprint, "shards": [s.to_json() for s in shards]}}
-    return finalize(store, "extract", fp, cfg, inputs, [result], extra=extra)
+    sequences = {"stage": tokenized.stage, "fingerprint": tokenized.fingerprint,
+                 "shards": [s.to_json() for s in shards]}
+    extra = {"mode": "online", "tokens": tokens, "sequences": sequences}
+    return finalize(store, STAGE, fp, cfg, inputs, [result], extra=carry(tokenized.manifest, extra))

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from draftflow.config import RunConfig, TokenizeConfig
-from draftflow.contracts import ShardEntry, ShardResult
+from draftflow.contracts import CARRIED, CarriedFile, ShardEntry, ShardResult
 from draftflow.data.schema import TOKENIZED, read_rows, template_kwargs, write_rows
 from draftflow.drafters.taps import min_supervised_tokens
 from draftflow.errors import ConversationError
@@ -202,4 +202,7 @@ def finish_stage(store: Store, fp: str, cfg: RunConfig, target: TargetRef,
     results = results + [ShardResult(shard=e, rows_in=0, rows_out=0) for e in vocab]
     extra = {"sequences": sum(r.shard.sequences or 0 for r in results if r.shard),
              "sequences_dropped": dict(sorted(drops.items())), "policy": cfg.tokenize.policy}
+    freq = next((e for e in vocab if e.kind == "freq"), None)
+    if freq is not None:  # handed on to train (draft vocabularies) by every stage in between: `contracts.carry`
+        extra[CARRIED] = {"token_counts": CarriedFile(stage=STAGE, fingerprint=fp, entry=freq).model_dump(mode="json")}
     return results, extra

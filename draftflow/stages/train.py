@@ -152,9 +152,9 @@ def prefetch_inputs(store: Store, cfg: RunConfig, features: FeatureSource) -> No
     per-sample checksums are only opened (their indexes read): the ranks stream them (`draftflow.feature_stream`)."""
     if isinstance(features, OnlineFeatures):
         for s in features.shards:
-            store.verify_sha("tokenize", features.tokenize_fingerprint, s)
+            store.verify_sha(features.stage, features.fingerprint, s)
     else:
-        open_features(store, "extract", features.fingerprint, features.shards)
+        open_features(store, features.stage, features.fingerprint, features.shards)
     if drafter_spec(cfg.drafter.kind).draft_vocab:
         token_counts(store, features)
 

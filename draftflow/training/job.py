@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from draftflow.config import RunConfig
-from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry, tokenize_fingerprints
+from draftflow.contracts import FeatureSource, OnlineFeatures, ShardEntry
 from draftflow.drafters.registry import DraftInputs, drafter_spec
 from draftflow.drafters.taps import check_drafter
 from draftflow.errors import ConfigError
@@ -72,18 +72,16 @@ def check_taps(dcfg: Any, shards: tuple[ShardEntry, ...]) -> None:
 
 
 def token_counts(store: Store, features: FeatureSource) -> str:
-    """Local, checksum-verified path of `token_freq.parquet` of the tokenize stage the features came from.
+    """Local, checksum-verified path of the token counts (tokenize's `token_freq.parquet`) handed on with the features.
 
     Raises:
-        ConfigError: the extract manifest does not name its tokenize stage, or that stage has no counts.
+        ConfigError: no stage before train handed token counts on.
     """
-    fps = tokenize_fingerprints(features)
-    tm = store.read_manifest("tokenize", next(iter(fps))) if len(fps) == 1 and None not in fps else None
-    entry = next((e for e in (tm.shards if tm else ()) if e.kind == "freq"), None)
-    if entry is None:
-        raise ConfigError(f"drafter.kind=eagle3 needs the tokenize stage's token_freq.parquet, but the features "
-                          f"name tokenize stage(s) {sorted(map(str, fps))} without one; re-run tokenize and extract")
-    return store.verify_sha("tokenize", next(iter(fps)), entry)
+    ref = features.token_counts
+    if ref is None:
+        raise ConfigError("this drafter's draft vocabulary needs the token counts tokenize writes "
+                          "(token_freq.parquet), but the features were handed none; re-run tokenize and extract")
+    return store.verify_sha(ref.stage, ref.fingerprint, ref.entry)
 
 
 def draft_vocab(store: Store, features: FeatureSource, choose, size: int,
@@ -187,11 +185,11 @@ def training_samples(store: Store, cfg: RunConfig, target: TargetRef, dcfg: Any,
                      features: FeatureSource) -> tuple[Any, int]:
     """(samples, their tokens): stored feature shards, or an `OnlineSamples` source in online mode."""
     if isinstance(features, OnlineFeatures):
-        paths = [store.verify_sha("tokenize", features.tokenize_fingerprint, s) for s in features.shards]
+        paths = [store.verify_sha(features.stage, features.fingerprint, s) for s in features.shards]
         samples = OnlineSamples.from_parquet(paths, target, cfg, dcfg.feature_ids)
         return samples, samples.tokens
     check_taps(dcfg, features.shards)
-    source = open_features(store, "extract", features.fingerprint, features.shards)  # streamed on remote roots
+    source = open_features(store, features.stage, features.fingerprint, features.shards)  # streamed on remote roots
     return source, source.tokens  # read per step, by the ranks that train on them
 
 
