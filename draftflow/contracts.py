@@ -123,8 +123,9 @@ class Manifest(_Frozen):
         return self
 
     def data_shards(self, split: str | None = None) -> list[ShardEntry]:
-        """The data shards, optionally of one split (`split=None`: every shard)."""
-        return [s for s in self.shards if split is None or s.split == split]
+        """The data shards, optionally of one split (`split=None`: every split); side files (tokenize's token
+        counts: shards with a `kind`) are not data shards."""
+        return [s for s in self.shards if s.kind is None and (split is None or s.split == split)]
 
     def size(self) -> dict[str, Any]:
         """What the stage measured, as `plan` and `status` both show it: rows out; tokens its work covered (the

@@ -12,6 +12,7 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -87,20 +88,26 @@ def recorded_config(root: str) -> RunConfig:
 
 
 def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
-    """Per stage: stage, state ("complete", "to run", "waits"), fingerprint, path (its output folder,
+    """Per stage: stage, state ("complete", "running" (with `run`, who: the first stage to run while a run holds
+    the root), "to run", "waits"), fingerprint, path (its output folder,
     None while its inputs are unknown); for a complete stage its rows_in, rows_out, dropped (by
     reason), tokens, shards and bytes from its manifest; for the stage to run its `progress` (shards
     done, in-shard checkpoints, train's resume step: `runstate.stage_progress`) and its `older` results.
     Reads manifests and file listings; runs nothing and imports no torch or Prefect."""
+    from draftflow.runlock import describe, live_holder
     from draftflow.runstate import stage_progress, stage_states
     from draftflow.target import resolve_target
 
     store = Store(cfg.root)
     target = target or resolve_target(cfg.target)
     states, manifests = stage_states(cfg, target.fingerprint)
+    holder = live_holder(store)  # a run working on the root now: its first stage to run is running
     out = []
     for s in states:
         entry = {k: s[k] for k in ("stage", "state", "fingerprint")}
+        if holder and s["state"] == "to run":
+            entry |= {"state": "running", "run": describe(holder, time.time())}
+            holder = None
         fp = s["fingerprint"]
         entry["path"] = store.url(store.stage_path(s["stage"], fp)) if fp else None
         if s["state"] == "complete":

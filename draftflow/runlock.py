@@ -60,6 +60,17 @@ def describe(lease: dict[str, Any], now: float) -> str:
             f"{max(0.0, now - float(lease.get('renewed', 0))):.0f} s ago)")
 
 
+def live_holder(store: Store) -> dict[str, Any] | None:
+    """The lease of the run working on the root now (one renewed within its ttl, its process alive where it is of
+    this host), or None: no run holds it, or its holder is gone (for `status`: a stage "running")."""
+    try:
+        with store.fs.open(store.path(LOCK_NAME), "rb") as fh:
+            lease = json.loads(fh.read() or b"{}")
+    except (FileNotFoundError, ValueError):
+        return None
+    return None if not lease or is_stale(lease, time.time()) else lease
+
+
 class RunLease:
     """The lease of one run on one root (see the module docstring)."""
 

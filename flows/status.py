@@ -99,6 +99,8 @@ def cmd_status(args) -> int:
         if s["state"] != "complete":
             where = s["path"] or "(waits for its inputs)"
             print(f"  {s['stage']:<11} {s['state']:<9} {where}")
+            if s.get("run"):  # running: who holds the root
+                print(f"  {'':<11} {'':<9} by {s['run']}")
             if s["progress"]:
                 print(f"  {'':<11} {'':<9} {_progress(s['progress'])}")
             for o in s["older"][:3]:  # why earlier results of this stage are not reused

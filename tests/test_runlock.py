@@ -90,3 +90,21 @@ def test_draftflow_run_on_a_busy_root_exits_2_in_one_line_before_any_work(tmp_pa
     assert len(errors) == 1 and "in use by run 'the-other-run'" in errors[0]
     assert "Traceback" not in proc.stderr
     assert not any(p.is_dir() for p in root.iterdir())  # no stage was started
+
+
+def test_status_shows_the_stage_a_live_run_works_on_as_running_and_a_dead_holder_as_nothing(tmp_path, tiny_target):
+    from draftflow.runinfo import stage_status
+    from draftflow.target import TargetRef
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "root")
+    target = TargetRef(tiny_target.path, tiny_target.fingerprint)
+    assert [s["state"] for s in stage_status(cfg, target)][:2] == ["to run", "waits"]
+    with holding(cfg.root, "nightly"):
+        first, second = stage_status(cfg, target)[:2]
+        assert first["state"] == "running" and first["run"].startswith(f"run 'nightly' (pid {os.getpid()} on ")
+        assert second["state"] == "waits" and "run" not in second
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _write_lease(tmp_path / "root" / LOCK_NAME, pid=dead.pid)  # a killed run's lease: nobody runs
+    assert stage_status(cfg, target)[0]["state"] == "to run"
