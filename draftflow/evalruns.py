@@ -28,7 +28,6 @@ from draftflow.errors import DraftflowError
 from draftflow.store import MANIFEST, Store, digest
 
 log = logging.getLogger(__name__)
-STAGE = "evaluate"
 REPORT = "report.json"
 GATE = "gate.json"  # the last gate verdict on this evaluation (`draftflow.gating`)
 # Evaluate settings that choose which prompts are decoded and for how long: equal values on equal
@@ -58,6 +57,20 @@ class Evaluation:
         return None if tau is None else float(tau)
 
 
+def evaluate_stage() -> str:
+    """The folder of the evaluate stage: the registry's maker of evaluations (never a name written here)."""
+    from draftflow.stages.registry import maker
+
+    return maker("evaluation")
+
+
+def _curate_stage() -> str:
+    """The folder of the stage whose eval split evaluations decode (the registry's maker of conversations)."""
+    from draftflow.stages.registry import maker
+
+    return maker("conversations")
+
+
 class NoEvaluation(DraftflowError):
     """A path named as an evaluation holds none."""
 
@@ -65,7 +78,7 @@ class NoEvaluation(DraftflowError):
 def curate_index(store: Store) -> dict[str, str]:
     """{manifest digest: fingerprint} of every complete curate result in the root."""
     out = {}
-    for path in store.fs.glob(store.path("curate", "*", MANIFEST)):
+    for path in store.fs.glob(store.path(_curate_stage(), "*", MANIFEST)):
         try:
             out[digest(store.read_json(path))] = path.rstrip("/").split("/")[-2]
         except (OSError, ValueError):
@@ -78,11 +91,11 @@ def eval_ids(store: Store, curate_fp: str) -> list[str] | None:
     import pyarrow.parquet as pq
 
     try:
-        manifest = store.read_json(store.stage_path("curate", curate_fp, MANIFEST))
+        manifest = store.read_json(store.stage_path(_curate_stage(), curate_fp, MANIFEST))
         ids: list[str] = []
         for shard in manifest["shards"]:
             if shard.get("split") == "eval":
-                with store.fs.open(store.stage_path("curate", curate_fp, shard["name"]), "rb") as fh:
+                with store.fs.open(store.stage_path(_curate_stage(), curate_fp, shard["name"]), "rb") as fh:
                     ids += pq.read_table(fh, columns=["sample_id"]).column("sample_id").to_pylist()
         return ids
     except (OSError, ValueError, KeyError) as exc:
@@ -98,7 +111,7 @@ def eval_set_key(store: Store, manifest: Manifest, index: dict[str, str] | None 
     """
     cfg = manifest.config
     ev = cfg.get("evaluate") or {}
-    curate_digest = manifest.inputs.get("curate")
+    curate_digest = manifest.inputs.get(_curate_stage())
     index = curate_index(store) if index is None else index
     ids = eval_ids(store, index[curate_digest]) if curate_digest in index else None
     basis = {
@@ -119,11 +132,11 @@ def _read_optional(store: Store, path: str) -> dict[str, Any] | None:
 def load(store: Store, fp: str, label: str | None = None) -> Evaluation | None:
     """The evaluation under `evaluate/<fp>` of `store`: with its manifest when the stage is complete
     (its report then checked against its sha256), else from a bare report.json; None when neither."""
-    manifest = store.read_manifest(STAGE, fp)
-    path = store.stage_path(STAGE, fp, REPORT)
+    manifest = store.read_manifest(evaluate_stage(), fp)
+    path = store.stage_path(evaluate_stage(), fp, REPORT)
     if manifest is not None:
         entry = next((s for s in manifest.shards if s.name == REPORT), None)
-        report = store.read_json(store.verify_sha(STAGE, fp, entry) if entry else path)
+        report = store.read_json(store.verify_sha(evaluate_stage(), fp, entry) if entry else path)
     else:
         report = _read_optional(store, path)
         if report is None:
@@ -131,11 +144,11 @@ def load(store: Store, fp: str, label: str | None = None) -> Evaluation | None:
     name = posixpath.basename(store.base.rstrip("/")) or store.base
     return Evaluation(
         label or f"{name}/{fp}",
-        store.url(store.stage_path(STAGE, fp)),
+        store.url(store.stage_path(evaluate_stage(), fp)),
         report,
         fp,
         manifest,
-        _read_optional(store, store.stage_path(STAGE, fp, GATE)),
+        _read_optional(store, store.stage_path(evaluate_stage(), fp, GATE)),
     )
 
 
@@ -146,7 +159,7 @@ def in_root(store: Store, with_eval_set: bool = False) -> list[Evaluation]:
         with_eval_set: also key each complete one's eval set (reads curate's eval ids once).
     """
     found = []
-    for path in store.fs.glob(store.path(STAGE, "*", REPORT)):
+    for path in store.fs.glob(store.path(evaluate_stage(), "*", REPORT)):
         fp = path.rstrip("/").split("/")[-2]
         ev = load(store, fp)
         if ev is not None:
@@ -202,7 +215,7 @@ def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
         got = _from_folder(arg)
         if got is not None:
             return [got]
-    if fs.isdir(f"{base}/{STAGE}"):
+    if fs.isdir(f"{base}/{evaluate_stage()}"):
         evs = in_root(Store(arg))
         if evs:
             return evs
@@ -218,7 +231,7 @@ def _from_config(path: str, overrides: list[str] | None) -> Evaluation:
     from draftflow.runinfo import stage_status
 
     cfg = load_config(path, overrides)
-    row = next(s for s in stage_status(cfg) if s["stage"] == STAGE)
+    row = next(s for s in stage_status(cfg) if s["stage"] == evaluate_stage())
     got = _from_folder(row["path"]) if row["state"] == "complete" else None
     if got is None:
         raise NoEvaluation(f"the evaluate stage of {path} is not complete ({row['state']}); "
@@ -231,7 +244,7 @@ def _from_folder(folder: str) -> Evaluation | None:
     """The evaluation in `folder` when it sits at `<root>/evaluate/<fp>` (manifest-checked), else None."""
     parent, fp = _split(folder)
     root, stage = _split(parent)
-    if stage != STAGE or not root:
+    if stage != evaluate_stage() or not root:
         return None
     store = Store(root)
     ev = load(store, fp)

@@ -28,7 +28,7 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
 from draftflow.errors import DraftflowError
-from draftflow.evalruns import GATE, REPORT, STAGE, Evaluation, eval_set_key, in_root, load, resolve
+from draftflow.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
 from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
 from draftflow.promotion import marker_path, record_promotion
@@ -50,7 +50,7 @@ def named_baseline(store: Store, gate: GateConfig) -> Evaluation:
         found.eval_set = eval_set_key(store, found.manifest)
     if found is None and FINGERPRINT.match(name or "") and not os.path.exists(name):
         raise GateError(
-            f"evaluate.gate.baseline={name}: no evaluation {name} under {store.url(store.path(STAGE))}; "
+            f"evaluate.gate.baseline={name}: no evaluation {name} under {store.url(store.path(evaluate_stage()))}; "
             "name an evaluate fingerprint of this root, an evaluate folder or a report.json"
         )
     if found is None:
@@ -136,14 +136,15 @@ def apply_gate(
     this.eval_set = eval_set_key(store, this.manifest) if this.manifest else None
     baseline = baseline_for(store, gate, this) if gate.max_regression is not None else None
     verdict = decide(this.report, gate, baseline, where=this.path)
-    marker = marker_path(store, trained.fingerprint)
+    marker = marker_path(store, trained.stage, trained.fingerprint)
     verdict |= {
         "evaluate": fp,
+        "evaluate_path": store.url(store.stage_path(evaluated.stage, fp)),
         "baseline": baseline,
         "promoted": verdict["passed"],
         "marker": store.url(marker) if verdict["passed"] else None,
     }
-    store.write_json(store.stage_path(STAGE, fp, GATE), verdict)
+    store.write_json(store.stage_path(evaluated.stage, fp, GATE), verdict)
     if verdict["passed"]:
         store.write_json(
             marker,
@@ -156,7 +157,7 @@ def apply_gate(
                 "notes": verdict["notes"],
             },
         )
-        record_promotion(store, trained.fingerprint, run=cfg.name, evaluate=fp, tau=this.tau,
+        record_promotion(store, trained.stage, trained.fingerprint, run=cfg.name, evaluate=fp, tau=this.tau,
                          target=trained.manifest.inputs.get("target"))
     elif store.exists(marker):
         store.fs.rm(marker)
@@ -166,7 +167,7 @@ def apply_gate(
 def raise_if_failed(verdict: dict[str, Any] | None, store: Store) -> None:
     """Stop with one line when the gate failed (GateFailed names each measured value and threshold)."""
     if verdict is not None and not verdict["passed"]:
-        raise GateFailed(failure_line(verdict, store.url(store.stage_path(STAGE, verdict["evaluate"]))))
+        raise GateFailed(failure_line(verdict, verdict["evaluate_path"]))
 
 
 def summary_line(verdict: dict[str, Any] | None) -> str:

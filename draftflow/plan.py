@@ -34,7 +34,7 @@ from draftflow.runstate import stage_states
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
-from draftflow.stages.registry import spec, stage_names
+from draftflow.stages.registry import maker, spec, stage_names
 from draftflow.store import Store
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
@@ -213,8 +213,9 @@ def check_space(cfg: RunConfig, tokenize_manifest: Manifest, target: TargetRef,
     needed = feature_bytes(cfg, (tokenize_manifest.size()["train_tokens"] or 0) + largest, taps, tcfg.hidden_size)
     avail = free(cfg.root) if needed else None
     store, done = Store(cfg.root), 0
-    if avail is not None and fp and store.exists(store.stage_path("extract", fp)):
-        done = int(store.fs.du(store.stage_path("extract", fp)))  # a resumed run's shards and parts
+    features = maker("features")
+    if avail is not None and fp and store.exists(store.stage_path(features, fp)):
+        done = int(store.fs.du(store.stage_path(features, fp)))  # a resumed run's shards and parts
     out = {"needed": needed, "free": avail, "done": done}
     if avail is None or needed - done <= avail:
         return out

@@ -24,13 +24,12 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.stages.registry import spec, stage_inputs, stage_names, upstream_of
+from draftflow.stages.registry import resumes, spec, stage_inputs, stage_names, upstream_of
 from draftflow.store import Store, default_cache_dir
 
 PARTIAL = "partial"  # in-shard checkpoints of regenerate and extract (`stages.common.SCRATCH`)
 CKPT_DIR = "checkpoints"  # `training.checkpoint.CKPT_DIR`: complete checkpoints are `step_<N>` folders
 MIRROR_DONE = "COMPLETE"  # `training.mirror.MIRROR_DONE`: the marker of a checkpoint copied to the store
-OUTPUT_SUFFIX = {"extract": ".safetensors"}  # a stage's output shard: its input's name, this suffix if listed
 
 
 def stage_states(cfg: RunConfig, target_fp: str | None) -> tuple[list[dict[str, Any]], dict[str, Manifest]]:
@@ -63,14 +62,15 @@ def stage_progress(store: Store, cfg: RunConfig, stage: str, fp: str,
     (part files of in-shard checkpoints); for train: `resume_step` (None: it starts at step 0)
     and `checkpoint` (where that step is).
     """
-    if stage == "train":
-        return train_progress(store, fp)
-    s = spec(stage)
-    if s.run_shard is None or (stage == "extract" and cfg.extract.mode == "online"):
+    how = resumes(cfg, stage)
+    if how == "steps":
+        return train_progress(store, stage, fp)
+    if how != "shards":
         return None
+    s = spec(stage)
     inputs = manifests[s.upstream[0]].data_shards(s.split)
     names = _names(store, store.stage_path(stage, fp))
-    suffix = OUTPUT_SUFFIX.get(stage)
+    suffix = s.output_suffix
     done = sum(_output_name(x.name, suffix) in names for x in inputs)
     rows, parts = _partial(store, store.stage_path(stage, fp, PARTIAL))
     return {"shards_done": done, "shards": len(inputs), "partial_rows": rows, "partial_parts": parts}
@@ -107,23 +107,23 @@ def _partial(store: Store, folder: str) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- train
 
 
-def train_work_dir(store: Store, fp: str) -> str:
-    """Where the train stage of `fp` trains and checkpoints (`stages.train.work_dir`)."""
+def train_work_dir(store: Store, stage: str, fp: str) -> str:
+    """Where the train stage `stage`/`fp` trains and checkpoints (`stages.train.work_dir`, which imports torch)."""
     if store.is_local:
-        return store.stage_path("train", fp, "work")
-    key = hashlib.sha256(store.stage_path("train", fp).encode()).hexdigest()[:16]
+        return store.stage_path(stage, fp, "work")
+    key = hashlib.sha256(store.stage_path(stage, fp).encode()).hexdigest()[:16]
     return str(default_cache_dir() / "train-work" / key)
 
 
-def train_progress(store: Store, fp: str) -> dict[str, Any]:
-    """The step the train stage of `fp` resumes from: its newest complete checkpoint, in the work
+def train_progress(store: Store, stage: str, fp: str) -> dict[str, Any]:
+    """The step the train stage `stage`/`fp` resumes from: its newest complete checkpoint, in the work
     folder on this machine or (remote root) copied to the store; `resume_step` None when none."""
     found: list[tuple[int, str]] = []
-    local = Path(train_work_dir(store, fp)) / CKPT_DIR
+    local = Path(train_work_dir(store, stage, fp)) / CKPT_DIR
     if local.is_dir():
         found += [(_step(p.name), str(p)) for p in local.glob("step_*") if p.is_dir() and _step(p.name) is not None]
     if not store.is_local:  # the copies in the store (`training.mirror`), complete once marked
-        mirror = store.stage_path("train", fp, "work", CKPT_DIR)
+        mirror = store.stage_path(stage, fp, "work", CKPT_DIR)
         for name in _names(store, mirror):
             path = f"{mirror}/{name}"
             if _step(name) is not None and store.exists(f"{path}/{MIRROR_DONE}"):

@@ -18,7 +18,7 @@ from draftflow.report import plots_markdown, without_relative_images
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows
-from draftflow.stages.registry import downstream_of, needed, registry, spec, stage_gpus
+from draftflow.stages.registry import downstream_of, maker, needed, registry, spec, stage_gpus
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines
 from draftflow.store import Store
 from draftflow.training.warm import stale_promoted
@@ -65,7 +65,7 @@ def log_stage(log, r: StageResult) -> None:
 def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> dict:
     """The run's figures and where its outputs are (manifests name files relative to their stage folder)."""
     by_name = {s.stage: s for s in stages}
-    evaluated, trained = by_name["evaluate"], by_name["train"]
+    evaluated, trained = by_name[maker("evaluation")], by_name[maker("drafter")]
     report, extra = evaluated.manifest.extra, trained.manifest.extra
     return {
         "name": cfg.name,

@@ -25,14 +25,14 @@ from draftflow.config import RunConfig, validate_config
 from draftflow.contracts import StageResult
 from draftflow.evalruns import load
 from draftflow.gating import apply_gate
-from draftflow.promotion import promoted_export
+from draftflow.promotion import export_stage, promoted_export
 from draftflow.refresh import history
 from draftflow.refresh.batches import Batch, sources_for, take_batch
 from draftflow.refresh.preflight import check_refresh
 from draftflow.runinfo import record_run
 from draftflow.runlock import holding
 from draftflow.stages.common import require_rows, stage_result
-from draftflow.stages.registry import downstream_of, registry
+from draftflow.stages.registry import downstream_of, maker, registry
 from draftflow.store import Store
 from flows.common import publish_table
 from flows.keys import artifact_key, run_key
@@ -94,19 +94,20 @@ def refresh(cfg: RunConfig) -> dict:
         report_progress(run_key(run_cfg))
         target = prepare_target(run_cfg)
         results: dict[str, StageResult] = {}
+        evaluate, train = maker("evaluation"), maker("drafter")
         for stage in registry():
-            if stage.name == "evaluate":
+            if stage.name == evaluate:
                 break
             results[stage.name] = run_stage_flow(stage.name, run_cfg, target, results)
             log_stage(log, results[stage.name])
             if downstream_of(stage.name):
                 require_rows(results[stage.name].manifest)
         live_eval = _evaluate_live(run_cfg, store, target, results, live)
-        results["evaluate"] = run_stage_flow("evaluate", run_cfg, target, results)
-        log_stage(log, results["evaluate"])
-        verdict = apply_gate(store, _gated(cfg, run_cfg, live_eval), results["evaluate"], results["train"])
-        publish_table(run_cfg, "evaluate", "gate", verdict["checks"], "refresh gate: measured value, threshold, passed")
-        results["evaluate"] = results["evaluate"].model_copy(update={"gate": verdict})
+        results[evaluate] = run_stage_flow(evaluate, run_cfg, target, results)
+        log_stage(log, results[evaluate])
+        verdict = apply_gate(store, _gated(cfg, run_cfg, live_eval), results[evaluate], results[train])
+        publish_table(run_cfg, evaluate, "gate", verdict["checks"], "refresh gate: measured value, threshold, passed")
+        results[evaluate] = results[evaluate].model_copy(update={"gate": verdict})
         flush_progress()
     summary = summarize(run_cfg, [results[s.name] for s in registry()], target["path"])
     publish_summary(run_cfg, summary)
@@ -118,15 +119,16 @@ def _evaluate_live(run_cfg: RunConfig, store: Store, target: dict, results: dict
                    live: tuple[str, str] | None) -> str | None:
     """Evaluate the promoted drafter on the candidate's prompts; its evaluate fingerprint, or None when nothing is
     promoted (or the candidate is that drafter: a refresh that promoted, then was killed before its history line)."""
-    if live is None or live[0] == results["train"].fingerprint:
+    train = maker("drafter")
+    if live is None or live[0] == results[train].fingerprint:
         return None
-    manifest = store.read_manifest("train", live[0])
+    manifest = store.read_manifest(export_stage(live[1]), live[0])
     if manifest is None:
-        get_run_logger().warning("the promoted drafter's train stage (train/%s) is incomplete; the candidate is "
-                                 "judged without it", live[0])
+        get_run_logger().warning("the promoted drafter's train stage (%s) is incomplete; the candidate is "
+                                 "judged without it", live[1])
         return None
     trained = stage_result(store, manifest, "reused")
-    return run_stage_flow("evaluate", run_cfg, target, {**results, "train": trained}).fingerprint
+    return run_stage_flow(maker("evaluation"), run_cfg, target, {**results, train: trained}).fingerprint
 
 
 def _reason(verdict: dict) -> str:
@@ -143,7 +145,8 @@ def _record(cfg: RunConfig, store: Store, batch: Batch, summary: dict | None, li
     stages = {s["stage"]: s["fingerprint"] for s in (summary or {}).get("stages", [])}
     entry = {"batch": batch.n, "at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
              "new_rows": batch.new_rows, "tau": (summary or {}).get("tau"), "live_tau": live_tau,
-             "promoted": promoted, "reason": reason, "train": stages.get("train"), "evaluate": stages.get("evaluate"),
+             "promoted": promoted, "reason": reason, "train": stages.get(maker("drafter")),
+             "evaluate": stages.get(maker("evaluation")),
              "rejected": batch.rejected}
     done = history.record(store, entry)
     line = history.line(done[-1])

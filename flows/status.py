@@ -109,7 +109,7 @@ def cmd_status(args) -> int:
         dropped = ", ".join(f"{k}={v}" for k, v in s["dropped"].items()) or "none"
         print(f"  {s['stage']:<11} {s['state']:<9} rows {s['rows_in']:>7} -> {s['rows_out']:<7} "
               f"tokens {_num(s['tokens']):>11}  {_size(s['bytes']):>10}  dropped {dropped}  {s['path']}")
-        warm = (s["manifest"].extra or {}).get("init_from") if s["stage"] == "train" else None
+        warm = (s["manifest"].extra or {}).get("init_from")  # a warm-started train stage
         if warm:
             print(f"  {'':<11} {'':<9} {_warm(warm)}")
     return 0

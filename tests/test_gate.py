@@ -129,19 +129,19 @@ def test_max_regression_compares_with_the_best_earlier_evaluation_of_the_same_ta
     now = evaluation(tmp_path, "f" * 16, 2.0)
     verdict = apply_gate(store, gate_cfg(tmp_path, max_regression=0.1), now, TRAINED)
     assert verdict["baseline"]["label"].endswith("a" * 16) and verdict["checks"][0]["value"] == pytest.approx(0.2)
-    assert not verdict["promoted"] and not Path(marker_path(store, TRAINED.fingerprint)).exists()
+    assert not verdict["promoted"] and not Path(marker_path(store, TRAINED.stage, TRAINED.fingerprint)).exists()
     assert json.loads((tmp_path / "evaluate" / ("f" * 16) / "gate.json").read_text())["passed"] is False
     with pytest.raises(GateFailed, match=r"tau 2.000 is 20.0% below .*aaaa's 2.500 \(> max_regression 10.0%\)"):
         raise_if_failed(verdict, store)
 
     verdict = apply_gate(store, gate_cfg(tmp_path, max_regression=0.25, min_tau=1.5), now, TRAINED)
-    marker = json.loads(Path(marker_path(store, TRAINED.fingerprint)).read_text())
+    marker = json.loads(Path(marker_path(store, TRAINED.stage, TRAINED.fingerprint)).read_text())
     assert verdict["promoted"] and marker["promoted"] and marker["evaluate"].endswith("evaluate/" + "f" * 16)
     assert [c["name"] for c in marker["checks"]] == ["min_tau", "max_regression"]
     raise_if_failed(verdict, store)  # passes: nothing raised
 
     apply_gate(store, gate_cfg(tmp_path, min_tau=2.5), now, TRAINED)  # the last gate failed: no longer promoted
-    assert not Path(marker_path(store, TRAINED.fingerprint)).exists()
+    assert not Path(marker_path(store, TRAINED.stage, TRAINED.fingerprint)).exists()
     assert apply_gate(store, gate_cfg(tmp_path), now, TRAINED) is None  # no threshold: no gate, nothing written
 
 

@@ -119,13 +119,13 @@ def test_the_promoted_pointer_keeps_its_history_and_names_the_current_drafter(tm
     store = Store(str(tmp_path))
     assert promoted_export(store) is None and pointer(store) is None
     for fp in ("a" * 16, "b" * 16):
-        store.write_json(marker_path(store, fp), {"promoted": True})
-        record_promotion(store, fp, evaluate=f"e-{fp[0]}", tau=1.5)
-    record_promotion(store, "b" * 16, evaluate="e-b", tau=1.5)  # the same verdict again: no new entry
+        store.write_json(marker_path(store, "train", fp), {"promoted": True})
+        record_promotion(store, "train", fp, evaluate=f"e-{fp[0]}", tau=1.5)
+    record_promotion(store, "train", "b" * 16, evaluate="e-b", tau=1.5)  # the same verdict again: no new entry
     data = pointer(store)
     assert data["current"]["train"] == "b" * 16 and [h["train"][0] for h in data["history"]] == ["a", "b"]
     assert promoted_export(store)[0] == "b" * 16
-    store.fs.rm(marker_path(store, "b" * 16))  # a later gate withdrew it: the newest marker left is the one
+    store.fs.rm(marker_path(store, "train", "b" * 16))  # a later gate withdrew it: the newest marker left is the one
     assert promoted_export(store)[0] == "a" * 16
 
 
@@ -217,7 +217,7 @@ def test_a_pointer_naming_a_deleted_export_is_one_line_before_a_refresh(tmp_path
     cfg = tiny_config(tmp_path / "run", f"refresh.traffic={logs}")
     store = Store(cfg.root)
     check_refresh(cfg)  # nothing promoted yet: a first, cold refresh
-    record_promotion(store, "c" * 16, evaluate="e", tau=1.4)  # its export never written (or deleted)
+    record_promotion(store, "train", "c" * 16, evaluate="e", tau=1.4)  # its export never written (or deleted)
     assert promoted_export(store)[0] == "c" * 16
     with pytest.raises(ConfigError, match=r"train.init_from='promoted': the promoted drafter .*cccc.* is gone") as exc:
         check_refresh(cfg)

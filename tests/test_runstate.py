@@ -91,12 +91,12 @@ def test_sizes_in_status_are_written_as_plan_writes_them():
 
 def test_train_resumes_from_its_newest_complete_checkpoint(tmp_path):
     store = Store(str(tmp_path / "run"))
-    assert train_progress(store, "fp") == {"resume_step": None, "checkpoint": None}
-    assert _progress(train_progress(store, "fp")) == "no checkpoint yet: starts at step 0"
+    assert train_progress(store, "train", "fp") == {"resume_step": None, "checkpoint": None}
+    assert _progress(train_progress(store, "train", "fp")) == "no checkpoint yet: starts at step 0"
     ckpts = tmp_path / "run" / "train" / "fp" / "work" / CKPT_DIR
     for name in ("step_00000008", "step_00000016", ".tmp_step_00000024"):  # the last is being written
         (ckpts / name).mkdir(parents=True)
-    got = train_progress(store, "fp")
+    got = train_progress(store, "train", "fp")
     assert got == {"resume_step": 16, "checkpoint": str(ckpts / "step_00000016")}
     assert _progress(got).startswith("resumes from step 16 (")
 
@@ -107,7 +107,7 @@ def test_train_on_a_remote_root_resumes_from_the_checkpoint_copied_to_the_store(
     mirror = store.stage_path("train", "fp", "work", CKPT_DIR)
     store.fs.pipe_file(f"{mirror}/step_00000008/{MIRROR_DONE}", b"")
     store.fs.pipe_file(f"{mirror}/step_00000016/model.safetensors", b"copy under way, no marker yet")
-    assert train_progress(store, "fp")["resume_step"] == 8
+    assert train_progress(store, "train", "fp")["resume_step"] == 8
 
 
 def test_the_names_status_reads_are_the_stages_own(tmp_path):
@@ -117,7 +117,7 @@ def test_the_names_status_reads_are_the_stages_own(tmp_path):
 
     assert (CKPT_DIR, MIRROR_DONE) == (checkpoint.CKPT_DIR, mirror.MIRROR_DONE)
     for store in (Store(str(tmp_path)), Store("s3://bucket/run")):
-        assert train_work_dir(store, "fp") == train.work_dir(store, "fp")
+        assert train_work_dir(store, "train", "fp") == train.work_dir(store, "fp")
         assert train.checkpoint_mirror(store, "fp") in (None, store.stage_path("train", "fp", "work", CKPT_DIR))
         assert regenerate._partial_paths(store, "fp", "s.parquet")[0] == store.stage_path(
             "regenerate", "fp", PARTIAL, "s.parquet")

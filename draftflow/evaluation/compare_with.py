@@ -11,8 +11,8 @@ tokens against the run's greedy outputs (lossless). Results go under report.json
 `drafter:<label>`, so the report tables, plots and `draftflow compare` carry them unchanged.
 
 What it does not know: Prefect, loading a train stage's checkpoint (the evaluate stage does it),
-report text. Feature rounding: a train stage's extract dtype is read from the extract manifest it was
-trained on, an export's from the `draftflow.json` the train stage writes beside it; an export without
+report text, stage names (a train stage is the one whose manifest lists exports). Feature rounding: the extract
+dtype it was trained on is read from the `draftflow.json` the train stage writes beside its exports; an export without
 one (exported by hand) is rounded with the run's `extract.dtype`. Trade-off: only a train stage can be
 checked against the target's fingerprint; an export is checked by its hidden size and vocabulary.
 """
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from draftflow import progress
+from draftflow.contracts import Manifest
 from draftflow.errors import ConfigError, LosslessError
-from draftflow.store import Store, digest, sha256_file
+from draftflow.store import MANIFEST, Store, digest, sha256_file
 
 log = logging.getLogger(__name__)
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
@@ -43,7 +44,7 @@ class OtherDrafter:
 
     Attributes:
         name: as written in the config. label: its key under report.json `baselines` (`drafter:…`).
-        root, fingerprint: the run root and train fingerprint of a train stage (None for an export).
+        root, stage, fingerprint: the run root, stage folder and fingerprint of a train stage (None for an export).
         folder: the export folder (None for a train stage).
         digest: what enters the evaluate fingerprint for it.
         target: the target fingerprint it was trained for (train stage) or None (export).
@@ -54,36 +55,46 @@ class OtherDrafter:
     label: str
     digest: str
     root: str | None = None
+    stage: str | None = None
     fingerprint: str | None = None
     folder: str | None = None
     target: str | None = None
     extract_dtype: str | None = None
 
 
-def _extract_dtype(store: Store, extract_digest: str | None) -> str | None:
-    """The `extract.dtype` of the extract stage in `store` whose manifest digest is `extract_digest`."""
-    if not extract_digest or not store.exists(store.path("extract")):
-        return None
-    for folder in store.fs.ls(store.path("extract"), detail=False):
-        manifest = store.read_manifest("extract", Path(folder).name)
-        if manifest is not None and digest(manifest.to_json()) == extract_digest:
-            return (manifest.config.get("extract") or {}).get("dtype")
+def _trained(store: Store, fp: str, stage: str = "*") -> Manifest | None:
+    """The manifest of the stage `fp` of `store` (in folder `stage`; "*": whichever) that trained a drafter: one
+    listing export files. Found by what it holds, not by a stage name."""
+    for path in store.fs.glob(store.stage_path(stage, fp, MANIFEST)):
+        manifest = store.read_manifest(path.rstrip("/").split("/")[-3], fp)
+        if manifest is not None and _trained_on_entry(manifest) is not None:
+            return manifest
     return None
 
 
-def _from_train(store: Store, name: str, fp: str) -> OtherDrafter | None:
-    manifest = store.read_manifest("train", fp)
+def _trained_on_entry(manifest: Manifest) -> str | None:
+    """The name of the `draftflow.json` (what it was trained on) among a train stage's exports, or None."""
+    from draftflow.drafters.export import TRAINED_ON_NAME  # not at the top: it imports torch
+
+    return next((f["name"] for f in manifest.extra.get("files") or [] if f.get("name", "").startswith("export/")
+                 and f["name"].endswith(f"/{TRAINED_ON_NAME}")), None)
+
+
+def _from_train(store: Store, name: str, fp: str, stage: str = "*") -> OtherDrafter | None:
+    manifest = _trained(store, fp, stage)
     if manifest is None:
         return None
     kind = (manifest.config.get("drafter") or {}).get("kind", "drafter")
+    trained_on = store.read_json(store.stage_path(manifest.stage, fp, _trained_on_entry(manifest)))
     return OtherDrafter(
         name=name,
         label=f"{PREFIX}{kind}@{fp[:8]}",
         digest=digest(manifest.to_json()),
         root=store.root,
+        stage=manifest.stage,
         fingerprint=fp,
         target=manifest.inputs.get("target"),
-        extract_dtype=_extract_dtype(store, manifest.inputs.get("extract")),
+        extract_dtype=trained_on.get("extract_dtype"),
     )
 
 
@@ -112,8 +123,8 @@ def resolve(store: Store, name: str) -> OtherDrafter:
         if found is not None:
             return found
     path = Path(name).expanduser()
-    if (path / "manifest.json").is_file() and path.parent.name == "train":
-        found = _from_train(Store(str(path.parent.parent)), name, path.name)
+    if (path / MANIFEST).is_file():  # a train stage folder, <root>/<stage>/<fp>
+        found = _from_train(Store(str(path.parent.parent)), name, path.name, path.parent.name)
         if found is not None:
             return found
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):

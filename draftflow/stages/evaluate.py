@@ -111,11 +111,11 @@ def load_other(other: OtherDrafter, model, default_dtype: str) -> tuple[OtherDra
         drafter = load_exported(other.folder, model)
     else:
         store = Store(other.root)
-        manifest = store.read_manifest("train", other.fingerprint)
+        manifest = store.read_manifest(other.stage, other.fingerprint)
         if manifest is None:
             raise ConfigError(f"evaluate.compare_with: {other.name} is no longer complete; re-run its train stage")
-        trained = StageResult(stage="train", fingerprint=other.fingerprint, status="reused", digest=other.digest,
-                              path=store.url(store.stage_path("train", other.fingerprint)), manifest=manifest)
+        trained = StageResult(stage=other.stage, fingerprint=other.fingerprint, status="reused", digest=other.digest,
+                              path=store.url(store.stage_path(other.stage, other.fingerprint)), manifest=manifest)
         drafter = load_drafter(store, trained, model)
     return other, drafter, rounding_for(other, drafter, default_dtype)
 

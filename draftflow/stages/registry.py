@@ -137,6 +137,13 @@ class StageSpec:
         seconds: `(cfg, size, model shape, prompt tokens) -> seconds or None` for `plan`; None: unknown.
         more_inputs: `cfg -> fingerprint inputs` read outside the run's stages (evaluate: `compare_with`).
         unit: what one of its output rows is, as the run summary names it.
+        makes: what its folder holds for code outside the stages, which finds the folder by it (`maker`):
+            "conversations", "sequences", "features", "drafter", "evaluation".
+        resumes: `cfg -> how an unfinished run of it resumes`, for `status`: "shards" (output shards committed,
+            in-shard checkpoints), "steps" (training checkpoints) or None (it starts over); None: "shards" for a
+            stage with a `run_shard`.
+        output_suffix: its output shard's name is its input shard's with this suffix for ".parquet" (None: the
+            same name), for `status` to count the shards done.
     """
 
     name: str
@@ -156,6 +163,9 @@ class StageSpec:
     seconds: Callable[..., float | None] | None = None
     more_inputs: Callable[[RunConfig], dict[str, str]] | None = None
     unit: str = "rows"
+    makes: tuple[str, ...] = ()
+    resumes: Callable[[RunConfig], str | None] | None = None
+    output_suffix: str | None = None
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -179,7 +189,7 @@ def _chained(stages: list[StageSpec]) -> list[StageSpec]:
 # The stages, in pipeline order: one entry each.
 _REGISTRY: list[StageSpec] = _chained([
     StageSpec("curate", (), "Curate the sources (CPU).", uses_target=False, size=_size("curate"),
-              seconds=_seconds("curate"), unit="conversations"),
+              seconds=_seconds("curate"), unit="conversations", makes=("conversations",)),
     StageSpec("regenerate", about="Regenerate the answers with the target.", gpu="shards",
               gpus=_vllm_group(lambda c: c.regenerate.engine), split="train",
               device=lambda c: "remote" if c.regenerate.engine == "openai" else c.target.device,
@@ -195,15 +205,16 @@ _REGISTRY: list[StageSpec] = _chained([
               gpus=_vllm_group(lambda c: c.extract.engine), device=lambda c: c.target.device, split="train",
               run_shard=_in_stage("extract", "run_shard"),
               libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"),
-              more_inputs=_extract_inputs, unit="sequences"),
+              more_inputs=_extract_inputs, unit="sequences", makes=("features",), output_suffix=".safetensors",
+              resumes=lambda c: None if c.extract.mode == "online" else "shards"),
     StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
               device=lambda c: c.train.device,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), more_inputs=_train_inputs,
-              unit="sequences"),
+              unit="sequences", makes=("drafter",), resumes=lambda c: "steps"),
     StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",
               gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine), device=lambda c: c.evaluate.device,
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
-              more_inputs=_compare_with_inputs, unit="prompts"),
+              more_inputs=_compare_with_inputs, unit="prompts", makes=("evaluation",)),
 ])
 
 
@@ -273,6 +284,28 @@ def stage_gpus(cfg: RunConfig, stage: str) -> int:
     """GPUs one unit of `stage` occupies (at least 1 for a stage that uses the GPU at all)."""
     s = spec(stage)
     return max(1, s.gpus(cfg)) if s.gpu else 1
+
+
+def resumes(cfg: RunConfig, stage: str) -> str | None:
+    """How an unfinished run of `stage` resumes (`StageSpec.resumes`): "shards", "steps" or None."""
+    s = spec(stage)
+    if s.resumes is not None:
+        return s.resumes(cfg)
+    return "shards" if s.run_shard is not None else None
+
+
+def maker(what: str) -> str:
+    """The stage whose folder holds `what` (`StageSpec.makes`: "drafter" is train's): code outside the stages finds
+    a stage's folder by what it holds, never by the stage's name.
+
+    Raises:
+        ConfigError: no stage makes it (a registry without that stage).
+    """
+    found = [s.name for s in registry() if what in s.makes]
+    if len(found) != 1:
+        raise ConfigError(f"no one stage of the registry makes {what!r} (found {found}); give one StageSpec "
+                          f"makes=({what!r},)")
+    return found[0]
 
 
 def on_gpu(cfg: RunConfig, stage: str) -> bool:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draftflow.errors import ConfigError
-from draftflow.promotion import PROMOTED, promoted_export
+from draftflow.promotion import PROMOTED, export_path, promoted_export
 from draftflow.store import Store, digest, sha256_file
 
 if TYPE_CHECKING:
@@ -88,12 +88,12 @@ def resolve(root: str, name: str) -> InitDrafter:
     if name != PROMOTED_WORD and store.exists(store.base) and _is_export(store, store.base):
         return InitDrafter(name, store.url(store.base), _export_digest(store, store.base),
                            _trained_for(store, store.base))
-    if name != PROMOTED_WORD and not store.exists(store.path("train")):
-        raise ConfigError(f"{what}: no export folder (config.json + *.safetensors) and no run root (a train/ folder) "
-                          "there; name an export folder, a run root, or 'promoted'")
+    if name != PROMOTED_WORD and not store.fs.glob(export_path(store, "*", "*")):
+        raise ConfigError(f"{what}: no export folder (config.json + *.safetensors) and no run root (trained drafters "
+                          "under it) there; name an export folder, a run root, or 'promoted'")
     found = promoted_export(store)
     if found is None:
-        raise ConfigError(f"{what}: {store.url(store.base)} has no promoted drafter (no train/*/export/{PROMOTED}); "
+        raise ConfigError(f"{what}: {store.url(store.base)} has no promoted drafter (no export marked {PROMOTED}); "
                           "run it with an evaluate.gate that passes, or name an export folder")
     fp, folder = found
     if not store.exists(folder) or not _is_export(store, folder):
@@ -160,7 +160,7 @@ def stale_promoted(root: str, target_fingerprint: str) -> str | None:
     trained_for = _trained_for(store, folder) if store.exists(folder) else None
     if not trained_for or trained_for == target_fingerprint:
         return None
-    return (f"the promoted drafter (train/{fp}) was trained for target {trained_for[:16]}, the target is now "
+    return (f"the promoted drafter ({store.url(folder)}) was trained for target {trained_for[:16]}, the target is now "
             f"{target_fingerprint[:16]}: serve it only after a run trains for this one (train.init_from=promoted "
             "warm-starts it)")
 
