@@ -1,4 +1,4 @@
-"""One truth for target layer ids (ARCHITECTURE.md contract 6).
+"""One truth for target layer ids (contract 6, docs/extending.md).
 
 DFlash `target_layer_ids` are 0-based decoder-layer indices: id L means the
 *output* of decoder layer L, which transformers returns as

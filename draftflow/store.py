@@ -1,6 +1,6 @@
 """The artifact store: one root (local folder or s3://bucket/prefix) over fsspec.
 
-Contracts 1-3 of ARCHITECTURE.md live here. A stage writes under
+Contracts 1-3 (docs/extending.md, "The numbered contracts") live here. A stage writes under
 `<root>/<stage>/<fingerprint>/`, where the fingerprint hashes the stage's
 config sections, its inputs' manifest digests and the code version. Every
 shard is written to a local temporary file, hashed, then committed in one step

@@ -1,5 +1,5 @@
-"""The pipeline flow: every stage of the registry (`draftflow.stages.registry`), in its order, as in
-the ARCHITECTURE.md diagram; and the per-stage deployment flow, which runs a stage and what it needs.
+"""The pipeline flow: every stage of the registry (`draftflow.stages.registry`), in its order (below);
+and the per-stage deployment flow, which runs a stage and what it needs.
 
     sources -> curate -> regenerate -> tokenize -> extract -> train -> evaluate
 """

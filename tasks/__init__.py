@@ -1,5 +1,5 @@
 """Prefect tasks: thin wrappers that give library calls a cache key, retries and tags.
 
-No data logic lives here. Each task calls one library function and returns its
-small result dict (names, counts, digests), never tensors or tables.
+No data logic lives here. Each task calls one library function and returns what it returns: a
+`ShardResult` or a `Manifest` (names, counts, digests; `draftflow.contracts`), never tensors or tables.
 """

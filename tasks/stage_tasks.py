@@ -18,7 +18,7 @@ from prefect.tasks import exponential_backoff
 from draftflow.config import RunConfig
 from draftflow.contracts import FeatureSource, Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.errors import DraftflowError
-from draftflow.stages import curate, evaluate, train
+from draftflow.stages import evaluate, train
 from draftflow.stages.common import Source, shard_key
 from draftflow.stages.registry import spec
 from draftflow.store import USER_CAUSES, Store, storage_cause
@@ -51,11 +51,6 @@ STAGE = dict(cache_policy=NO_CACHE, **RETRY)
 def prepare_target(cfg: RunConfig) -> dict[str, str]:
     ref = resolve_target(cfg.target)
     return {"path": ref.path, "fingerprint": ref.fingerprint}
-
-
-@task(name="curate", **STAGE)
-def curate_all(cfg: RunConfig, fp: str, inputs: dict[str, str]) -> Manifest:
-    return curate.run(Store(cfg.root), fp, cfg, inputs)
 
 
 @task(name="stage-shard", **SHARD)
