@@ -34,6 +34,10 @@ def default_dflash_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
             "(set drafter.target_layer_ids explicitly)"
         )
     span = num_target_layers - 4
+    if num_taps > span + 1:  # the default ids spread over 1..N-3: more taps than that would repeat ids
+        raise ConfigError(f"drafter.num_taps is {num_taps} but the target's {num_target_layers} layers give at most "
+                          f"{span + 1} default taps (ids 1..{span + 1}); lower drafter.num_taps or set "
+                          "drafter.target_layer_ids")
     # Python's round() is banker's rounding; the formula means round-half-up.
     return [int(1 + i * span / (num_taps - 1) + 0.5) for i in range(num_taps)]
 

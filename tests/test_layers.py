@@ -28,6 +28,14 @@ def test_paper_default_taps():
     assert hf_hidden_state_index(1) == 2
 
 
+def test_more_default_taps_than_the_target_allows_blames_num_taps():
+    """`--set drafter.num_taps=99` blamed drafter.target_layer_ids, a key the user never set."""
+    assert default_dflash_layer_ids(8, 5) == [1, 2, 3, 4, 5]  # the most the tiny target gives: all distinct
+    with pytest.raises(ConfigError, match=r"drafter.num_taps is 6 but the target's 8 layers give at most 5") as err:
+        default_dflash_layer_ids(8, 6)
+    assert "target_layer_ids" not in str(err.value).split(";")[0]
+
+
 def test_one_table_both_ways():
     assert ENGINE_OFFSETS == {"hf_hook": 0, "hf_hidden": 1, "vllm": 1}
     for engine in ENGINE_OFFSETS:
