@@ -122,7 +122,12 @@ def test_alignment_report_is_reported_and_skipped_for_non_dflash(target, dcfg, p
     assert not rep["conclusive"] and rep["warning"] is None, rep
     json.dumps(rep)  # report.json material
     assert "slot alignment" in alignment_line(rep)
-    assert alignment_report(target, object(), prompts, outputs) is None
+    from types import SimpleNamespace
+
+    from draftflow.drafters.eagle3.spec import SPEC as EAGLE3
+
+    eagle3 = SimpleNamespace(config=SimpleNamespace(architecture=EAGLE3.architecture))  # a kind without slots
+    assert alignment_report(target, eagle3, prompts, outputs) is None
     shifted = rep | {"offset": 1, "warning": "labels look shifted by +1: check the objective"}
     assert "warning: labels look shifted by +1" in alignment_line(shifted)
     # Answers shorter than a block (a barely trained demo stops early) leave nothing to count, not an error.

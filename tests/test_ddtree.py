@@ -238,7 +238,12 @@ def test_tau_grows_with_the_budget_when_the_truth_is_the_runner_up(monkeypatch, 
             logits[k, truth[n + k]] = 0.0
         return logits
 
-    monkeypatch.setattr(dflash_kind, "draft_block", runner_up)
+    import dataclasses
+
+    from draftflow.evaluation import ddtree
+
+    scripted = dataclasses.replace(dflash_kind.SPEC, block_logits=runner_up)  # the kind's capability, scripted
+    monkeypatch.setattr(ddtree, "spec_for_architecture", lambda architecture: scripted)
     ecfg = EvaluateConfig(max_new_tokens=25)
     stats = evaluate_ddtree(target, untrained, [p], [1, 2, 4, 8], ecfg, set())
     taus = [stats[b]["tau"] for b in ("1", "2", "4", "8")]

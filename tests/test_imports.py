@@ -180,3 +180,12 @@ def test_no_module_is_over_400_lines():
     long = {str(p.relative_to(root)): n for pkg in ("draftflow", "flows", "tasks") for p in (root / pkg).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+def test_evaluation_asks_a_kinds_spec_and_imports_no_kind():
+    """DDTree and the alignment check ask the spec (`block_logits`, `slot_drafts`) whether a kind proposes trees or
+    has slots: a new kind with those parts gets both without an edit here."""
+    kinds = ("draftflow.drafters.dflash", "draftflow.drafters.eagle3")
+    found = [f"{a} imports {b}" for a, deps in import_graph().items() if a.startswith("draftflow.evaluation")
+             for b in sorted(deps) if b.startswith(kinds)]
+    assert found == []

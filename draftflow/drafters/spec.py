@@ -64,6 +64,11 @@ class DrafterSpec:
             -> FLOPs to train on one sequence (the drafter's part; the plan adds online extraction).
         cost_note: the cost model in words (`draftflow plan` prints it).
         drafting: (drafter section) -> how the kind drafts, for the evaluation report.
+        block_logits: (drafter, anchor, ctx features) -> (drafts + 1, V) logits of every draft slot from one
+            drafting pass, for a kind that proposes trees (evaluate's DDTree); None: it drafts token by token.
+        slot_drafts: (drafter, FeatureSample, anchors) -> (slot positions, greedy drafts) of one batched pass at
+            many anchors of a known sequence, slot k of each block at position anchor + k (evaluate's alignment
+            check); None: the kind has no slots to align.
     """
 
     kind: str
@@ -86,3 +91,5 @@ class DrafterSpec:
     train_flops: Callable[[RunConfig, float, dict[str, Any]], float]
     cost_note: str
     drafting: Callable[[DrafterConfig], str]
+    block_logits: Callable[..., Any] | None = None
+    slot_drafts: Callable[..., tuple[Any, Any]] | None = None

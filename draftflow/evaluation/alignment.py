@@ -4,7 +4,7 @@ A drafter trained with labels shifted by one (slot k learning token a+k+1, a kno
 still accepts tokens on repetitive text, where a token often equals its neighbour, so its
 tau can look plausible and even beat an untrained drafter. This check separates it from a
 correct one on the same data: run the drafter on teacher-forced blocks (the training layout,
-`draftflow.drafters.dflash.batches.make_block_batch`) at every anchor of known sequences, and count,
+the kind's `slot_drafts`, DFlash's `make_block_batch`) at every anchor of known sequences, and count,
 only at positions where the tokens at a+k-1, a+k and a+k+1 all differ, how often slot k's
 greedy draft equals each of them. A correctly trained drafter matches offset 0 most;
 one trained on shifted labels matches offset +1 most.
@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from draftflow.drafters.dflash.batches import make_block_batch
-from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation.decode import RoundFn, capture_taps
 from draftflow.features import FeatureSample
 
@@ -35,7 +34,7 @@ MIN_RATE, MIN_HITS = 0.1, 10
 @torch.no_grad()
 def slot_alignment(
     target,
-    drafter: DFlashDrafter,
+    drafter,
     sequences: list[tuple[list[int], list[int]]],
     round_features: RoundFn | None = None,
     chunk: int = 64,
@@ -44,7 +43,7 @@ def slot_alignment(
 
     Args:
         target: the HF causal LM the drafter was trained for (gives the tap features).
-        drafter: a DFlash drafter.
+        drafter: a drafter whose kind has `slot_drafts` (DFlash).
         sequences: (prompt ids, continuation ids) pairs; anchors are continuation positions
             whose whole block fits in the sequence.
         round_features: the feature store's rounding (see `capture_taps`).
@@ -57,7 +56,7 @@ def slot_alignment(
         agree there.
     """
     B, hits, n = drafter.config.block_size, dict.fromkeys(OFFSETS, 0), 0
-    device = drafter.fc.weight.device
+    kind = spec_for_architecture(drafter.config.architecture)
     drafter.eval()
     for prompt, continuation in sequences:
         ids = list(prompt) + list(continuation)
@@ -74,9 +73,7 @@ def slot_alignment(
         )
         tok = sample.input_ids
         for part in anchors.split(chunk):
-            b = make_block_batch(sample, part, B, drafter.config.mask_token_id).to(device)
-            draft = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)[0].argmax(-1).cpu()
-            pos = b.block_pos[0].cpu()  # (Q,) position of every slot
+            pos, draft = kind.slot_drafts(drafter, sample, part)  # (Q,) position of every slot, its draft
             slot = torch.arange(pos.numel()) % B
             ok = (slot >= 1) & (pos + 1 < T)
             p = pos[ok]
@@ -95,7 +92,7 @@ def slot_alignment(
 def alignment_report(
     target, drafter, prompts: list[list[int]], outputs: list[list[int]], round_features: RoundFn | None = None
 ) -> dict | None:
-    """`slot_alignment` on the evaluation's own data, as report.json's `alignment`; None for a non-DFlash drafter.
+    """`slot_alignment` on the evaluation's own data, as report.json's `alignment`; None for a kind without slots.
 
     The sequences are the eval prompts with the target's greedy outputs the evaluation just decoded and
     checked: the target's own continuations, which is what regenerate trains on. Costs one target forward
@@ -106,7 +103,7 @@ def alignment_report(
         conclusive when the winner matched at least MIN_RATE of the positions and MIN_HITS tokens; the warning
         is set when another offset than 0 wins conclusively (a heuristic: logged and reported, never a failure).
     """
-    if not isinstance(drafter, DFlashDrafter):
+    if spec_for_architecture(drafter.config.architecture).slot_drafts is None:
         return None
     found = slot_alignment(target, drafter, list(zip(prompts, outputs, strict=True)), round_features)
     off, n = found["offset"], found["positions"]

@@ -53,8 +53,7 @@ import torch
 
 from draftflow import progress
 from draftflow.config import EvaluateConfig
-from draftflow.drafters.dflash import spec as dflash_kind
-from draftflow.drafters.dflash.model import DFlashDrafter
+from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation.decode import (
     RoundFn,
     _finish,
@@ -97,8 +96,8 @@ class DraftTree:
 
 
 def supports(drafter) -> bool:
-    """DDTree needs per-position distributions from one pass: DFlash drafters only."""
-    return isinstance(drafter, DFlashDrafter)
+    """DDTree needs per-position distributions from one pass: kinds whose spec has `block_logits` (DFlash)."""
+    return spec_for_architecture(drafter.config.architecture).block_logits is not None
 
 
 def budget_nodes(budget: int, drafts: int) -> int:
@@ -218,7 +217,7 @@ def accept_path(tree: DraftTree, greedy: list[int]) -> tuple[list[int], int]:
 
 def tree_generate(
     target,
-    drafter: DFlashDrafter,
+    drafter,
     prompt_ids: list[int],
     max_new_tokens: int,
     eos_ids: set[int],
@@ -241,7 +240,8 @@ def tree_generate(
     accept: list[int] = []
     while not done:
         anchor, n = out[-1], len(seq)
-        tree = build_tree(dflash_kind.draft_block(drafter, anchor, feats[:n])[1:], nodes)
+        tree = build_tree(spec_for_architecture(drafter.config.architecture).block_logits(drafter, anchor,
+                                                                                           feats[:n])[1:], nodes)
         logits, vfeats = verify_tree(target, seq + [anchor], tree, layer_ids, round_features)
         path, bonus = accept_path(tree, logits[n:].argmax(-1).tolist())
         drafted = [tree.tokens[j] for j in path]
@@ -256,7 +256,7 @@ def tree_generate(
 
 def evaluate_ddtree(
     target,
-    drafter: DFlashDrafter,
+    drafter,
     prompts: list[list[int]],
     budgets: list[int],
     ecfg: EvaluateConfig,

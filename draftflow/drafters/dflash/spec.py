@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from draftflow.config import DrafterConfig, RunConfig
+from draftflow.drafters.dflash.batches import make_block_batch
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.export import export_files, export_speculators, export_vllm_dflash, load_exported_dflash
 from draftflow.drafters.dflash.model import DFlashDrafter
@@ -50,6 +51,16 @@ def draft_block(drafter: DFlashDrafter, anchor: int, ctx: torch.Tensor) -> torch
     """
     block_ids, block_pos, ctx_pos, mask = _block(drafter, anchor, ctx.shape[0])
     return drafter(block_ids, block_pos, ctx[None].to(block_ids.device), ctx_pos, mask)[0]
+
+
+@torch.no_grad()
+def slot_drafts(drafter: DFlashDrafter, sample, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position of every slot, its greedy draft) of the blocks at `anchors` of a known sequence (`FeatureSample`),
+    drafted in one batched pass as training sees them (`make_block_batch`)."""
+    b = make_block_batch(sample, anchors, drafter.config.block_size, drafter.config.mask_token_id)
+    b = b.to(drafter.fc.weight.device)
+    draft = drafter(b.block_ids, b.block_pos, b.ctx_hidden, b.ctx_pos, b.attn_mask)[0].argmax(-1).cpu()
+    return b.block_pos[0].cpu(), draft
 
 
 def propose(drafter: DFlashDrafter, seq: list[int], anchor: int, ctx: torch.Tensor) -> list[int]:
@@ -120,4 +131,6 @@ SPEC = DrafterSpec(
     train_flops=train_flops,
     cost_note="DFlash: 6 x drafter params x (anchors x block + context) + 4 x LM head x block tokens",
     drafting=lambda d: f"block size {d.block_size}",
+    block_logits=draft_block,
+    slot_drafts=slot_drafts,
 )
