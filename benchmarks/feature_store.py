@@ -196,7 +196,7 @@ def bench_store(args) -> None:
 def bench_extract(args) -> None:
     from draftflow.capture import HFCapture
     from draftflow.config import TargetConfig
-    from draftflow.layers import default_dflash_layer_ids
+    from draftflow.drafters.dflash.taps import default_dflash_layer_ids
     from draftflow.target import load_target, resolve_target
 
     if args.random_qwen3_8b:

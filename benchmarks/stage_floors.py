@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from benchmarks.regenerate import draftflow_run, raw_hf_run, raw_vllm_run, run_cli, synthetic_requests, timed
 from draftflow.capture import capture_in_batches, make_capture_engine, right_pad
 from draftflow.config import RunConfig, load_config
-from draftflow.drafters.batches import IGNORE, warmup_cosine
+from draftflow.drafters.batches import IGNORE
 from draftflow.drafters.registry import DraftInputs, drafter_spec, feature_ids, spec_for_architecture
 from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.errors import DraftflowError
@@ -56,6 +56,7 @@ from draftflow.target import eos_token_ids, load_target, resolve_target
 from draftflow.training.distributed import DistEnv, prepare_model
 from draftflow.training.job import as_stored, mask_token_id
 from draftflow.training.loop import _Run, _train_step
+from draftflow.training.schedule import warmup_cosine
 
 Run = Callable[[], int]  # one timed pass over the stage's work; returns the tokens it processed
 

@@ -22,13 +22,14 @@ from types import SimpleNamespace
 import torch
 
 from draftflow.config import DrafterConfig, TrainConfig
-from draftflow.drafters.batches import total_steps, warmup_cosine
+from draftflow.drafters.batches import total_steps
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.dflash.objective import DFlashObjective
 from draftflow.features import FeatureSample
 from draftflow.training.distributed import DistEnv
 from draftflow.training.loop import _Run, _train_step
+from draftflow.training.schedule import warmup_cosine
 
 TINY = dict(hidden=64, inter=128, heads=4, kv=2, vocab=320, layers=1, block=4, anchors=16, seq=128)
 QWEN3_8B = dict(hidden=4096, inter=12288, heads=32, kv=8, vocab=151936, layers=5, block=16, anchors=512, seq=3072)

@@ -17,9 +17,10 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.mask import block_attention_mask
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.errors import ConfigError, StoreError
-from draftflow.models.attention import ATTENTION_BACKENDS, block_attention_mask
+from draftflow.models.attention import ATTENTION_BACKENDS
 from draftflow.models.blocks import rope_cos_sin
 from tests.conftest import MASK_ID
 from tests.mutants import mutant

@@ -24,11 +24,12 @@ from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.drafters.eagle3.objective import eagle3_loss
+from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.registry import load_exported
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
-from draftflow.layers import FINAL, default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps, hf_hidden_state_index
+from draftflow.layers import FINAL, hf_hidden_state_index
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import Start, train_drafter
 from tests.conftest import preempt_training

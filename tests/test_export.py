@@ -13,10 +13,10 @@ from draftflow.compat import rope_theta
 from draftflow.config import DrafterConfig
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.export import export_speculators, export_vllm_dflash
+from draftflow.drafters.dflash.mask import block_attention_mask
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.registry import load_exported
 from draftflow.errors import StoreError
-from draftflow.models.attention import block_attention_mask
 from tests.conftest import MASK_ID
 
 BLOCK = 4

@@ -14,11 +14,11 @@ import torch
 from draftflow.config import DrafterConfig
 from draftflow.drafters.dflash.batches import make_block_batch
 from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.mask import block_attention_mask, sliding_window_mask
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.dflash.objective import dflash_loss
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
-from draftflow.models.attention import block_attention_mask, sliding_window_mask
 from tests.conftest import MASK_ID, B
 
 

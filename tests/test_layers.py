@@ -5,12 +5,11 @@ from pathlib import Path
 
 import pytest
 
+from draftflow.drafters.dflash.taps import default_dflash_layer_ids
+from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids
 from draftflow.errors import ConfigError
 from draftflow.layers import (
     ENGINE_OFFSETS,
-    default_dflash_layer_ids,
-    default_eagle3_layer_ids,
-    eagle3_layer_ids,
     engine_layer_id,
     engine_layer_index,
     hf_hidden_state_index,

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from draftflow.config import load_config
 from draftflow.drafters.dflash.config import DFlashConfig
-from draftflow.layers import default_dflash_layer_ids
+from draftflow.drafters.dflash.taps import default_dflash_layer_ids
 
 RECIPE = Path(__file__).resolve().parents[1] / "configs" / "qwen3-8b-dflash.yaml"
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftflow.config import TrainConfig
-from draftflow.drafters.batches import IGNORE, step_indices, warmup_cosine
+from draftflow.drafters.batches import IGNORE, step_indices
 from draftflow.drafters.dflash import batches
 from draftflow.drafters.dflash.batches import build_training_batch, make_block_batch, select_anchors
 from draftflow.drafters.dflash.objective import default_gamma, dflash_loss, slot_weights
@@ -18,6 +18,7 @@ from draftflow.evaluation.decode import capture_taps
 from draftflow.features import FeatureSample
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import train_drafter
+from draftflow.training.schedule import warmup_cosine
 from tests.conftest import MASK_ID, B, preempt_training
 from tests.mutants import put_back
 

@@ -1,5 +1,6 @@
-"""The step plan every drafter kind trains by: epochs, length buckets, the LR schedule, the seeded
-generators. Each kind builds its own batches (`draftflow/drafters/<kind>/batches.py`).
+"""The step plan every drafter kind trains by: epochs, length buckets, the seeded generators. Each kind
+builds its own batches (`draftflow/drafters/<kind>/batches.py`); the LR schedule is training's
+(`draftflow.training.schedule`).
 
 Every random choice derives from (seed, step), so a resumed run draws exactly what an uninterrupted
 one would. Knows nothing of any model nor of the training loop.
@@ -17,18 +18,6 @@ IGNORE = -100  # the label of a position no loss reads
 
 
 # ----------------------------------------------------------------------------- schedule & plan
-
-
-def warmup_cosine(warmup_steps: int, total_steps: int):
-    """LR multiplier: linear warmup to 1, then cosine decay to 0 at `total_steps`."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
 
 
 def total_steps(n_samples: int, tcfg: TrainConfig) -> int:
@@ -61,10 +50,3 @@ def step_indices(step: int, n_samples: int, tcfg: TrainConfig, lengths: list[int
         chunk = sorted(order[i : i + pool], key=lambda s: lengths[s])  # stable: ties keep shuffle order
         batches += [chunk[j : j + B] for j in range(0, len(chunk), B)]
     return batches[int(torch.randperm(len(batches), generator=g)[k])]
-
-
-def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
-    """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)
-
-

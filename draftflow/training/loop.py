@@ -32,7 +32,7 @@ import torch
 
 from draftflow import interrupt, progress
 from draftflow.config import TrainConfig
-from draftflow.drafters.batches import step_indices, total_steps, warmup_cosine
+from draftflow.drafters.batches import step_indices, total_steps
 from draftflow.drafters.objectives import LossStats
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.errors import ConfigError, DraftflowError
@@ -55,6 +55,7 @@ from draftflow.training.distributed import (
     prepare_model,
     sync_gradients,
 )
+from draftflow.training.schedule import warmup_cosine
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from draftflow.drafters.batches import IGNORE
+from draftflow.drafters.dflash.mask import block_attention_mask
 from draftflow.features import FeatureSample
-from draftflow.models.attention import block_attention_mask
 
 
 @dataclass
@@ -123,3 +123,8 @@ def build_training_batch(
     if anchors.numel() == 0:
         return None
     return make_block_batch(sample, anchors, block_size, mask_token_id)
+
+
+def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
+    """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)

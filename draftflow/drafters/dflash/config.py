@@ -13,9 +13,9 @@ from typing import Any
 
 from draftflow.compat import rope_scaling
 from draftflow.config import DrafterConfig
-from draftflow.drafters.dflash.taps import check_layer_types
+from draftflow.drafters.dflash.taps import check_layer_types, dflash_taps
 from draftflow.errors import ConfigError
-from draftflow.layers import FINAL, dflash_taps
+from draftflow.layers import FINAL
 from draftflow.models.attention import ATTENTION_BACKENDS
 from draftflow.models.blocks import target_dims
 

@@ -38,14 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.drafters.dflash.config import DFlashConfig
+from draftflow.drafters.dflash.mask import sliding_window_mask
 from draftflow.errors import ConfigError
-from draftflow.models.attention import (
-    ATTENTION_BACKENDS,
-    MASK_PREPARERS,
-    AttentionFn,
-    resolve_backend,
-    sliding_window_mask,
-)
+from draftflow.models.attention import ATTENTION_BACKENDS, MASK_PREPARERS, AttentionFn, resolve_backend
 from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
 from draftflow.models.weights import SharedTargetDrafter, load_exact, read_weights_and_config
 

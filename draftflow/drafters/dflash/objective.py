@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from draftflow.config import TrainConfig
-from draftflow.drafters.batches import IGNORE, anchor_generator
-from draftflow.drafters.dflash.batches import BlockBatch, build_training_batch, sampled_vocab
+from draftflow.drafters.batches import IGNORE
+from draftflow.drafters.dflash.batches import BlockBatch, anchor_generator, build_training_batch, sampled_vocab
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
 from draftflow.features import FeatureSample

@@ -15,11 +15,11 @@ from draftflow.config import DrafterConfig, RunConfig
 from draftflow.drafters.dflash.batches import make_block_batch
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.export import export_files, export_speculators, export_vllm_dflash, load_exported_dflash
+from draftflow.drafters.dflash.mask import block_attention_mask
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.dflash.objective import DFlashObjective
 from draftflow.drafters.dflash.taps import RULE
 from draftflow.drafters.spec import DrafterSpec, DraftInputs
-from draftflow.models.attention import block_attention_mask
 
 
 def config_from_target(target_config: Any, drafter: DrafterConfig, inputs: DraftInputs) -> DFlashConfig:

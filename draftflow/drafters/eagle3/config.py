@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.eagle3.taps import check_one_layer
+from draftflow.drafters.eagle3.taps import check_one_layer, eagle3_taps
 from draftflow.errors import ConfigError
-from draftflow.layers import FINAL, eagle3_taps
+from draftflow.layers import FINAL
 from draftflow.models.blocks import target_dims
 
 
