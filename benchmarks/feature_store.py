@@ -194,9 +194,9 @@ def bench_store(args) -> None:
 
 
 def bench_extract(args) -> None:
-    from draftflow.capture import HFCapture
     from draftflow.config import TargetConfig
     from draftflow.drafters.dflash.taps import default_dflash_layer_ids
+    from draftflow.engines.capture import HFCapture
     from draftflow.target import load_target, resolve_target
 
     if args.random_qwen3_8b:

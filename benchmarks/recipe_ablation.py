@@ -80,7 +80,7 @@ def main() -> None:
     args = ap.parse_args()
     from draftflow.config import load_config
     from draftflow.contracts import feature_source
-    from draftflow.runstate import stage_states
+    from draftflow.runs.runstate import stage_states
     from draftflow.store import Store
     from draftflow.target import resolve_target
 

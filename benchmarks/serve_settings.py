@@ -28,13 +28,13 @@ def main() -> None:
     args = ap.parse_args()
     from draftflow.chat import ChatFormat
     from draftflow.config import load_config
+    from draftflow.engines.vllm_serve import ServeJob, prompt_lookup_config, speculative_config
     from draftflow.evaluation import served
-    from draftflow.runstate import stage_states
+    from draftflow.runs.runstate import stage_states
     from draftflow.stages.common import stage_result
     from draftflow.stages.evaluate import _export_folders, eval_set
     from draftflow.store import Store
     from draftflow.target import eos_token_ids, load_target, resolve_target
-    from draftflow.vllm_serve import ServeJob, prompt_lookup_config, speculative_config
 
     cfg = load_config(args.config, args.overrides)
     store, target = Store(cfg.root), resolve_target(cfg.target)

@@ -42,11 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.regenerate import draftflow_run, raw_hf_run, raw_vllm_run, run_cli, synthetic_requests, timed
-from draftflow.capture import capture_in_batches, make_capture_engine, right_pad
 from draftflow.config import RunConfig, load_config
 from draftflow.drafters.batches import IGNORE
 from draftflow.drafters.registry import DraftInputs, drafter_spec, feature_ids, spec_for_architecture
 from draftflow.engines import GenRequest, SamplingParams, make_engine
+from draftflow.engines.capture import capture_in_batches, make_capture_engine, right_pad
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.cached import greedy_generate_cached, speculative_generate_cached
 from draftflow.features import FeatureSample, round_trip

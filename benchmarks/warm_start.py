@@ -78,7 +78,7 @@ def main() -> None:
     from draftflow.config import load_config
     from draftflow.contracts import feature_source
     from draftflow.feature_stream import open_features
-    from draftflow.runstate import stage_states
+    from draftflow.runs.runstate import stage_states
     from draftflow.store import Store
     from draftflow.target import load_target, resolve_target
     from draftflow.training.job import drafter_config

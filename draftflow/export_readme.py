@@ -2,7 +2,7 @@
 
 Text only: it reads an exported `config.json` and a GGUF target's conversion record (as data)
 and builds strings. It knows nothing of weights, training or stores, and starts no server
-(`draftflow.vllm_serve` does that); `draftflow.drafters.export` writes the README built here, the train
+(`draftflow.engines.vllm_serve` does that); `draftflow.drafters.export` writes the README built here, the train
 stage records the serve lines, and the CLI prints them.
 
 Key trade-off: an export is meant to be copied and shared, so its README and its speculators

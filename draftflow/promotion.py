@@ -1,7 +1,7 @@
 """Where the gate's `promoted` mark lives, and which drafter of a root it names: the one place both the gate
-(`draftflow.gating`, which writes and removes the mark) and warm starts (`draftflow.training.warm`, which start from
-the promoted drafter) read it from. Kept apart from the gate so the train stage's code hash does not take in the
-gate's code (editing the gate never re-runs a stage).
+(`draftflow.runs.gating`, which writes and removes the mark) and warm starts (`draftflow.training.warm`, which
+start from the promoted drafter) read it from. Kept apart from the gate so the train stage's code hash does not
+take in the gate's code (editing the gate never re-runs a stage).
 """
 
 from __future__ import annotations

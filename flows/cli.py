@@ -112,7 +112,7 @@ def cmd_plan(args) -> int:
     from draftflow.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # a config error answers before the stages are imported
-    from draftflow.plan import environment, plan, preflight
+    from draftflow.runs.plan import environment, plan, preflight
 
     target = preflight(cfg)
     env = environment(cfg)
@@ -166,7 +166,7 @@ def cmd_refresh(args) -> int:
 def _in_prefect(cfg, what: str) -> dict:
     """Run the `pipeline` or `refresh` flow on `cfg` under the root's lease, Prefect's server (a temporary one when
     no PREFECT_API_URL is set), progress on the terminal and Ctrl-C handling; a refused root is one line."""
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
 
     target = preflight(cfg)
     from draftflow.runlock import holding
@@ -188,7 +188,7 @@ def _in_prefect(cfg, what: str) -> dict:
             try:
                 return interruptible(run_flow, cfg)
             except OSError as exc:  # the root refused: name it (a failed write() names no file), and for a
-                from draftflow.plan import space_to_finish  # full device what the rest of the run needs
+                from draftflow.runs.plan import space_to_finish  # full device what the rest of the run needs
                 from draftflow.store import USER_CAUSES, storage_cause, storage_error_message
 
                 cause = storage_cause(exc)
@@ -230,8 +230,8 @@ def run_forwarding_signals(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def cmd_compare(args) -> int:
-    """The evaluations' figures side by side (`draftflow.compare`); reads report.json files only."""
-    from draftflow.compare import compare
+    """The evaluations' figures side by side (`draftflow.runs.compare`); reads report.json files only."""
+    from draftflow.runs.compare import compare
 
     print(compare(args.runs, args.png, args.lines, args.overrides))
     return 0

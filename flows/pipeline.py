@@ -15,8 +15,8 @@ from draftflow.contracts import StageResult
 from draftflow.evaluation.serve_choice import advice
 from draftflow.export_readme import described_target
 from draftflow.report import plots_markdown, without_relative_images
-from draftflow.runinfo import record_run
 from draftflow.runlock import holding
+from draftflow.runs.runinfo import record_run
 from draftflow.stages.common import require_rows
 from draftflow.stages.registry import downstream_of, maker, needed, registry, spec, stage_gpus
 from draftflow.stages.train import EXPORT_FORMATS, serve_lines
@@ -74,7 +74,7 @@ def summarize(cfg: RunConfig, stages: list[StageResult], target_path: str) -> di
                     "rows_in": s.manifest.rows_in, "rows_out": s.manifest.rows_out, "unit": spec(s.stage).unit,
                     "dropped": s.manifest.dropped} for s in stages],
         "tau": report["tau"],
-        "gate": evaluated.gate,  # evaluate.gate's verdict, None without one (draftflow.gating)
+        "gate": evaluated.gate,  # evaluate.gate's verdict, None without one (draftflow.runs.gating)
         "evaluation": report.get("evaluation"),  # tau per category, baselines, predicted speedup
         "checkpoint": f"{trained.path}/{extra['checkpoint']}",
         "exports": {fmt: f"{trained.path}/{rel}" for fmt, rel in _in_export_order(extra.get("export", {}))},
@@ -93,7 +93,7 @@ def _in_export_order(exports: dict[str, str]) -> list[tuple[str, str]]:
 
 
 def publish_summary(cfg: RunConfig, summary: dict) -> None:
-    from draftflow.gating import summary_line
+    from draftflow.runs.gating import summary_line
 
     rows = [{"stage": s["stage"], "status": s["status"], "rows_in": s["rows_in"], "rows_out": s["rows_out"],
              "unit": s["unit"], "dropped": sum(s["dropped"].values()), "path": s["path"]} for s in summary["stages"]]
@@ -127,7 +127,7 @@ def _read_text(url: str) -> str:
 def pipeline_from_file(config_path: str, overrides: list[str] | None = None) -> dict:
     """Deployment entry point: load the config on the worker, then run the pipeline."""
     from draftflow.config import load_config
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
 
     cfg = load_config(config_path, overrides or [])
     preflight(cfg)
@@ -169,7 +169,7 @@ def run_stage_flow(stage: str, cfg: RunConfig, target: dict, results: dict[str, 
 def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, StageResult]:
     """The upstream stages of `stage`, all complete in the run root; else a one-line error naming the first missing."""
     from draftflow.errors import DraftflowError
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.runinfo import stage_status
     from draftflow.stages.common import stage_result
     from draftflow.store import Store
     from draftflow.target import TargetRef
@@ -196,7 +196,7 @@ def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = 
     """
     from draftflow.config import load_config
     from draftflow.errors import ConfigError
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
     from draftflow.stages.registry import stage_names
 
     if stage not in stage_names() or upstream not in ("reuse", "run"):

@@ -23,14 +23,14 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from draftflow.config import RunConfig, validate_config
 from draftflow.contracts import StageResult
-from draftflow.evalruns import load
-from draftflow.gating import apply_gate
 from draftflow.promotion import export_stage, promoted_export
 from draftflow.refresh import history
 from draftflow.refresh.batches import Batch, sources_for, take_batch
 from draftflow.refresh.preflight import check_refresh
-from draftflow.runinfo import record_run
 from draftflow.runlock import holding
+from draftflow.runs.evalruns import load
+from draftflow.runs.gating import apply_gate
+from draftflow.runs.runinfo import record_run
 from draftflow.stages.common import require_rows, stage_result
 from draftflow.stages.registry import downstream_of, maker, registry
 from draftflow.store import Store
@@ -160,7 +160,7 @@ def _record(cfg: RunConfig, store: Store, batch: Batch, summary: dict | None, li
 def refresh_from_file(config_path: str, overrides: list[str] | None = None, traffic: str | None = None) -> dict:
     """Deployment entry point: load the config on the worker (`traffic` overrides refresh.traffic), then refresh."""
     from draftflow.config import load_config
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
 
     cfg = load_config(config_path, [*(overrides or []), *([f"refresh.traffic={traffic}"] if traffic else [])])
     preflight(cfg)

@@ -16,7 +16,7 @@ from draftflow import progress
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult, carry, feature_source
 from draftflow.data.stats import table_rows
-from draftflow.plan import check_space
+from draftflow.runs.plan import check_space
 from draftflow.stages.common import Source, finalize
 from draftflow.stages.curate import check_sources, plan_parts, token_counter
 from draftflow.stages.extract import bad_shards, drop_manifest_if_damaged, online_manifest
@@ -155,7 +155,7 @@ def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: S
 
 def gate_stage(cfg: RunConfig, evaluated: StageResult, trained: StageResult) -> StageResult:
     """Apply `evaluate.gate`: publish its checks, then fail this flow run in one line if it failed."""
-    from draftflow.gating import apply_gate, raise_if_failed
+    from draftflow.runs.gating import apply_gate, raise_if_failed
     from draftflow.store import Store
 
     store = Store(cfg.root)

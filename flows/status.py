@@ -46,7 +46,7 @@ def print_summary(summary: dict) -> None:
 
     for line in console_lines(summary.get("evaluation")):
         print(line)
-    from draftflow.gating import summary_line
+    from draftflow.runs.gating import summary_line
 
     print(summary_line(summary.get("gate")))
     print(f"checkpoint: {summary['checkpoint']}")
@@ -82,7 +82,7 @@ def cmd_status(args) -> int:
     """One header line, then per stage: state, rows in -> out, dropped by reason, tokens, output folder;
     under the stage to run, how far it got (shards done, checkpointed rows or parts, train's resume step)."""
     from draftflow.config import load_config
-    from draftflow.runinfo import recorded_config, stage_status
+    from draftflow.runs.runinfo import recorded_config, stage_status
 
     is_config = args.run.endswith((".yaml", ".yml")) or os.path.isfile(args.run)
     if args.overrides and not is_config:

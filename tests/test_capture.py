@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from draftflow.capture import HFCapture, capture_in_batches
+from draftflow.engines.capture import HFCapture, capture_in_batches
 from draftflow.layers import engine_layer_index, hf_hidden_state_index
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [8, 8, 1], [300, 2, 64, 64, 19, 4, 77, 123, 56, 31, 9, 200, 14], [71]]
@@ -120,7 +120,7 @@ def test_read_waits_for_the_writer_to_release_its_lock(tmp_path):
     import os
     import threading
 
-    from draftflow.capture import read_hidden_states
+    from draftflow.engines.capture import read_hidden_states
 
     path = tmp_path / "req-1.safetensors"
     fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
@@ -147,7 +147,7 @@ def test_read_times_out_in_one_line_naming_the_file(tmp_path):
     import fcntl
     import os
 
-    from draftflow.capture import CaptureTimeout, read_hidden_states
+    from draftflow.engines.capture import CaptureTimeout, read_hidden_states
 
     path = tmp_path / "req-2.safetensors"
     fd = os.open(str(path) + ".lock", os.O_CREAT | os.O_WRONLY, 0o644)
@@ -161,7 +161,7 @@ def test_read_times_out_in_one_line_naming_the_file(tmp_path):
 
 
 def test_read_of_a_finished_write_returns_at_once(tmp_path):
-    from draftflow.capture import read_hidden_states
+    from draftflow.engines.capture import read_hidden_states
 
     path = tmp_path / "req-3.safetensors"
     _write_hidden(path, n=3)

@@ -206,7 +206,7 @@ def test_status_says_why_an_older_result_is_not_reused(tmp_path):
     """After a config edit (or an upgrade) a stage shows as "to run"; its older result is named with
     the fields that differ, so nobody wonders why terabytes are about to be recomputed."""
     from draftflow.config import STAGE_SECTIONS
-    from draftflow.runinfo import older_results
+    from draftflow.runs.runinfo import older_results
     from draftflow.store import MANIFEST, Store, code_version
     from tests.conftest import tiny_config
 
@@ -224,7 +224,7 @@ def test_status_says_why_an_older_result_is_not_reused(tmp_path):
 def test_status_names_a_torn_manifest_and_an_unknown_upstream(tmp_path):
     """Every older result shown by `status` has a reason: never "differs in: " and nothing after it."""
     from draftflow.config import STAGE_SECTIONS
-    from draftflow.runinfo import older_results
+    from draftflow.runs.runinfo import older_results
     from draftflow.store import MANIFEST, Store, code_version
     from tests.conftest import tiny_config
 
@@ -247,7 +247,7 @@ def test_a_run_folder_from_another_version_is_one_line(tmp_path):
     import pytest
 
     from draftflow.errors import DraftflowError
-    from draftflow.runinfo import RUN_JSON, recorded_config
+    from draftflow.runs.runinfo import RUN_JSON, recorded_config
 
     (tmp_path / RUN_JSON).write_text(json.dumps({"draftflow": "0.0.1", "config": {"tokenize": {"old_key": 1}}}))
     with pytest.raises(DraftflowError, match=r"recorded by draftflow 0\.0\.1.*'tokenize\.old_key'.*config file"):
@@ -256,7 +256,7 @@ def test_a_run_folder_from_another_version_is_one_line(tmp_path):
 
 def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkeypatch, capsys):
     """The CLI prints what the pipeline's summary carries (the train stage built the lines)."""
-    import draftflow.plan
+    import draftflow.runs.plan
     import flows.pipeline
     from flows import cli
 
@@ -265,7 +265,7 @@ def test_run_ends_with_the_export_folders_and_their_serve_lines(tmp_path, monkey
     summary = {"stages": [], "tau": 2.5, "checkpoint": "/r/train/fp/checkpoint", "report": "/r/evaluate/fp/report.md",
                "exports": {"vllm": "/r/train/fp/export/vllm", "speculators": "/r/train/fp/export/speculators"},
                "serve": serve, "target": "m.Q4_1 (dequantized from Q4_1 (m.Q4_1.gguf), stored float32)"}
-    monkeypatch.setattr(draftflow.plan, "preflight", lambda cfg: None)
+    monkeypatch.setattr(draftflow.runs.plan, "preflight", lambda cfg: None)
     monkeypatch.setattr(flows.pipeline, "pipeline", lambda cfg: summary)
     for name in ("_prefect_env", "_user_api", "_cpu_threads"):
         monkeypatch.setattr(cli, name, lambda: None)

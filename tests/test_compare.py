@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from draftflow.compare import baselines, compare, figures, legend_label, table_rows
-from draftflow.evalruns import Evaluation, NoEvaluation, resolve
+from draftflow.runs.compare import baselines, compare, figures, legend_label, table_rows
+from draftflow.runs.evalruns import Evaluation, NoEvaluation, resolve
 from tests.test_gate import evaluation
 
 STATS = {"acceptance_rate": [0.5], "accept_histogram": [0, 1, 1], "steps": 2, "tokens": 4, "prompts": 1}
@@ -121,7 +121,7 @@ SERVED = {"batches": [1, 8], "choice": CHOICE, "methods": {
 
 
 def test_rehearsal_line_pairs_the_recipes_and_reads_the_chosen_settings(tmp_path):
-    from draftflow.compare import rehearsal_line
+    from draftflow.runs.compare import rehearsal_line
 
     report = NEW | {"vllm": {"vllm": {"tau": 2.71}, "speculators": {"tau": 2.7}}, "served": SERVED,
                     "kind": "dflash", "recipe": "draftflow", "prompt_set": "p"}

@@ -147,7 +147,7 @@ def test_compare_with_is_a_config_field_that_enters_the_evaluate_fingerprint(tmp
 
 def test_compare_with_eagle3_in_the_same_root(prefect_harness, tmp_path):
     """A DFlash run whose evaluate decodes an EAGLE-3 trained in the same root on its very prompts."""
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
     from flows.pipeline import pipeline
     from tests.conftest import tiny_config
     from tests.test_eagle3_pipeline import eagle3_config

@@ -4,14 +4,14 @@ import json
 
 from draftflow.chat import ChatFormat
 from draftflow.config import RegenerateConfig
-from draftflow.dialogs import (
+from draftflow.engines.base import Completion
+from draftflow.engines.dialogs import (
     apply_completion,
     calls_match,
     parse_tool_calls,
     plan_dialog,
     thinking_for,
 )
-from draftflow.engines.base import Completion
 from draftflow.engines.hf import HFEngine
 from draftflow.stages.regenerate import regenerate_chunk, sampling_params
 

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 import draftflow.drafters.eagle3.model as e3
-from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.eagle3 import batches as e3_batches
 from draftflow.drafters.eagle3.batches import make_eagle3_batch
@@ -27,6 +26,7 @@ from draftflow.drafters.eagle3.objective import eagle3_loss
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.registry import load_exported
+from draftflow.engines.capture import HFCapture
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, hf_hidden_state_index

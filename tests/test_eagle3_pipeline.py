@@ -60,9 +60,9 @@ def test_eagle3_pipeline_with_online_features(prefect_harness, tmp_path):
 @pytest.mark.parametrize("bad, match", [(["extract.engine=vllm"], "extract.engine=hf"),
                                         (["drafter.target_layer_ids=[1, 2]"], "exactly 3 taps")])
 def test_eagle3_settings_that_cannot_work_are_one_line_config_errors(tmp_path, bad, match):
-    from draftflow.capture import make_capture_engine
     from draftflow.config import TargetConfig
     from draftflow.drafters.taps import feature_ids
+    from draftflow.engines.capture import make_capture_engine
     from draftflow.errors import ConfigError
 
     cfg = eagle3_config(tmp_path / "run", *bad)

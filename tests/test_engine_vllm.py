@@ -233,17 +233,17 @@ def test_one_shared_engine_per_process_closes_the_previous_one():
 
 
 def test_missing_export_is_one_line(tmp_path):
+    from draftflow.engines.vllm_serve import speculative_config
     from draftflow.errors import ConfigError
-    from draftflow.vllm_serve import speculative_config
 
     with pytest.raises(ConfigError, match="no drafter export at .*run the train stage"):
         speculative_config(tmp_path / "export" / "vllm")
 
 
 def test_served_tokens_or_tau_that_differ_fail_in_one_line():
+    from draftflow.engines.vllm_serve import ServedResult
     from draftflow.errors import LosslessError
     from draftflow.stages.evaluate import ServingMismatch, check_served
-    from draftflow.vllm_serve import ServedResult
 
     served = ServedResult("x", [[1, 2, 3]], tau=1.5, acceptance_rate=[0.5], drafts=2, accepted=1)
     check_served("vllm", served, [[1, 2, 3]], tau=1.6, tolerance=0.25)  # within tolerance: passes
@@ -256,7 +256,7 @@ def test_served_tokens_or_tau_that_differ_fail_in_one_line():
 
 def test_preflight_names_the_stage_when_vllm_is_missing(monkeypatch, tiny_cfg):
     from draftflow.errors import ConfigError
-    from draftflow.plan import check_vllm
+    from draftflow.runs.plan import check_vllm
     from draftflow.target import resolve_target
 
     monkeypatch.setitem(sys.modules, "vllm", None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.capture import HFCapture
 from draftflow.config import DrafterConfig, EvaluateConfig, TrainConfig
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.dflash.model import DFlashDrafter
@@ -18,6 +17,7 @@ from draftflow.drafters.dflash.spec import _block, draft_block
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain
 from draftflow.drafters.registry import spec_for_architecture
+from draftflow.engines.capture import HFCapture
 from draftflow.errors import LosslessError
 from draftflow.evaluation import cached, decode
 from draftflow.features import FeatureSample

@@ -33,7 +33,7 @@ def _config(tmp_path, case: list[str]):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_plan_predicts_the_fingerprints_the_stages_write(name, prefect_harness, tmp_path, tiny_target):
-    from draftflow.plan import plan
+    from draftflow.runs.plan import plan
     from draftflow.target import TargetRef
     from flows.pipeline import pipeline
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from draftflow.config import RunConfig, load_config
+from draftflow.config.evaluate import GateConfig
 from draftflow.contracts import Manifest, ShardResult, StageResult
 from draftflow.errors import ConfigError
-from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide
-from draftflow.gating import apply_gate, check_gate, raise_if_failed
 from draftflow.promotion import marker_path
+from draftflow.runs.gating import apply_gate, check_gate, raise_if_failed
 from draftflow.stages.common import finalize, fingerprint
 from draftflow.store import Store, shard_entry
 

@@ -94,7 +94,7 @@ def test_max_regression_compares_with_an_earlier_run_in_the_same_root(finished):
     assert check["name"] == "max_regression" and check["value"] == pytest.approx(1 - tau / summary["tau"])
     assert state.is_failed() == (check["value"] > 0) == (not verdict["promoted"])
 
-    from draftflow.compare import compare  # the same real root, compared: both evaluations, their τ and verdicts
+    from draftflow.runs.compare import compare  # the same real root, compared: both evaluations, their τ and verdicts
 
     lines = compare([str(root)]).splitlines()
     assert [line.split()[1] for line in lines[:2]] == [f"run/{evaluate.name}", f"run/{newer[0].name}"]

@@ -9,7 +9,7 @@ import torch
 from draftflow.contracts import Manifest, StageResult, feature_source
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureShard
-from draftflow.plan import preflight
+from draftflow.runs.plan import preflight
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
 from draftflow.stages.common import Source, fingerprint, manifest_digest

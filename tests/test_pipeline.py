@@ -119,7 +119,7 @@ def test_deleted_stage_output_is_recomputed_not_taken_from_a_cache(uninterrupted
 def test_crash_in_train_then_rerun_reuses_earlier_stages_and_equals_uninterrupted(
         uninterrupted, tmp_path, monkeypatch):
     import draftflow.training.loop as train_lib
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.runinfo import stage_status
     from flows.pipeline import pipeline
 
     real_save = train_lib.save_checkpoint

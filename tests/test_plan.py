@@ -9,8 +9,8 @@ import pytest
 
 from draftflow.contracts import Manifest, ShardEntry, StageResult
 from draftflow.errors import DraftflowError
-from draftflow.estimate import feature_bytes_per_token
-from draftflow.plan import check_space, environment, free_space, plan, preflight, stage_sizes
+from draftflow.runs.plan import check_space, environment, free_space, plan, preflight, stage_sizes
+from draftflow.stages.estimate import feature_bytes_per_token
 from draftflow.stages.registry import spec, stage_names
 from tests.conftest import tiny_config
 
@@ -140,7 +140,7 @@ def test_train_bytes_count_the_drafter_the_trainer_builds(target, dcfg):
     """The plan's train size (its share of a full-device error) comes from the drafter's parameter count:
     checked against a real drafter's trainable parameters."""
     from draftflow.drafters.dflash.model import DFlashDrafter
-    from draftflow.estimate import KEPT_CHECKPOINTS, drafter_params
+    from draftflow.stages.estimate import KEPT_CHECKPOINTS, drafter_params
     from draftflow.training.checkpoint import KEEP_CHECKPOINTS
 
     tc = target.config

@@ -10,14 +10,14 @@ import json
 
 import pytest
 
+from draftflow.config.evaluate import GateConfig
+from draftflow.config.refresh import RefreshConfig
 from draftflow.data.sources import BadRow
 from draftflow.data.traffic import conversation, holdout
 from draftflow.errors import ConfigError
-from draftflow.evaluate_config import GateConfig
 from draftflow.evaluation.gate import decide
 from draftflow.promotion import marker_path, pointer, promoted_export, record_promotion
 from draftflow.refresh import batches, history
-from draftflow.refresh_config import RefreshConfig
 from draftflow.store import Store
 from tests.traffic_logs import BAD_LINES, requests, write_log
 

@@ -40,7 +40,7 @@ def test_gpu_slots_follow_the_specs(tiny_cfg):
 def test_plan_and_the_curate_flow_compute_the_same_inputs_with_token_bounds(tmp_path, tiny_target):
     """The drift that made `plan` and `status` call a finished curate stage "to run": with token bounds and
     no `curate.tokenizer`, the stage counts with the target's tokenizer, whose fingerprint is an input."""
-    from draftflow.plan import plan
+    from draftflow.runs.plan import plan
     from draftflow.stages import curate
     from draftflow.stages.common import fingerprint
     from draftflow.store import Store

@@ -93,7 +93,7 @@ def test_draftflow_run_on_a_busy_root_exits_2_in_one_line_before_any_work(tmp_pa
 
 
 def test_status_shows_the_stage_a_live_run_works_on_as_running_and_a_dead_holder_as_nothing(tmp_path, tiny_target):
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.runinfo import stage_status
     from draftflow.target import TargetRef
     from tests.conftest import tiny_config
 

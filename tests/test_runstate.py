@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 
-from draftflow.runinfo import stage_status
-from draftflow.runstate import CKPT_DIR, MIRROR_DONE, PARTIAL, stage_states, train_progress, train_work_dir
+from draftflow.runs.runinfo import stage_status
+from draftflow.runs.runstate import CKPT_DIR, MIRROR_DONE, PARTIAL, stage_states, train_progress, train_work_dir
 from draftflow.stages.registry import stage_names
 from draftflow.store import Store
 from flows.status import _progress
@@ -65,7 +65,7 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
     assert _progress(regen["progress"]) == "1/2 shards done, 3 rows checkpointed in unfinished shards"
     assert status["tokenize"]["state"] == "waits" and status["tokenize"]["progress"] is None
     # The CLI on the run folder: curate's counts, regenerate's progress, and still no torch.
-    from draftflow.runinfo import record_run
+    from draftflow.runs.runinfo import record_run
 
     record_run(cfg)
     got, proc = cli_imports("status", cfg.root)
@@ -74,14 +74,14 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
     assert lines[1].split()[:2] == ["curate", "complete"]
     assert lines[3].split() == ["1/2", "shards", "done,", "3", "rows", "checkpointed", "in", "unfinished", "shards"]
     # The same walk as `draftflow plan` (which also sizes and times the stages).
-    from draftflow.plan import plan
+    from draftflow.runs.plan import plan
 
     assert [{k: s[k] for k in ("stage", "state", "fingerprint")} for s in plan(cfg, tiny_target)] == \
         stage_states(cfg, tiny_target.fingerprint)[0]
 
 
 def test_sizes_in_status_are_written_as_plan_writes_them():
-    from draftflow.plan import human_bytes
+    from draftflow.runs.plan import human_bytes
     from flows.status import _size
 
     for n in (0, 1023, 1024, 16_600, 1 << 20, 3 << 40, 5 << 50):

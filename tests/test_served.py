@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from draftflow.engines.vllm_serve import ServedResult, ServeJob, decode_timed
 from draftflow.evaluation import served
-from draftflow.vllm_serve import ServedResult, ServeJob, decode_timed
 
 VLLM = SimpleNamespace(SamplingParams=lambda **kw: kw)
 
@@ -105,7 +105,7 @@ def choose_with(monkeypatch, tmp_path, chosen: ServedResult) -> tuple[dict, list
     `chosen` for any other setting; returns the record and the speculative configs served."""
     export = tmp_path / "export"
     export.mkdir()
-    monkeypatch.setattr("draftflow.vllm_serve.speculative_config",
+    monkeypatch.setattr("draftflow.engines.vllm_serve.speculative_config",
                         lambda e: {"method": "dflash", "model": str(e), "num_speculative_tokens": 3})
     served_with = []
 

@@ -52,8 +52,8 @@ FEW_SUPERVISED = StageSpec(STAGE, about="Drop sequences with few supervised toke
 ], ids=["eagle3", "sampled_softmax", "online"])
 def test_a_stage_after_tokenize_is_read_by_extract_train_plan_and_status(prefect_harness, tmp_path, tiny_target,
                                                                         overrides):
-    from draftflow.plan import plan
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.plan import plan
+    from draftflow.runs.runinfo import stage_status
     from flows.pipeline import pipeline
 
     cfg = tiny_config(tmp_path / "run", *overrides)

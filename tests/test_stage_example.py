@@ -55,8 +55,8 @@ def _short_answers_in():
 
 def test_a_stage_added_through_the_registry_runs_is_planned_and_fingerprinted(prefect_harness, tmp_path,
                                                                               tiny_target):
-    from draftflow.plan import plan
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.plan import plan
+    from draftflow.runs.runinfo import stage_status
     from flows.pipeline import pipeline
 
     cfg = tiny_config(tmp_path / "run")

@@ -4,8 +4,8 @@ import torch
 
 from draftflow.chat import ChatFormat
 from draftflow.data.schema import read_rows
-from draftflow.dialogs import plan_dialog, split_reasoning
 from draftflow.engines import SamplingParams
+from draftflow.engines.dialogs import plan_dialog, split_reasoning
 from draftflow.engines.hf import HFEngine
 from draftflow.features import FeatureShard
 from draftflow.stages import extract

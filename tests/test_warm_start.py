@@ -146,7 +146,7 @@ def test_a_promoted_drafter_of_another_target_revision_is_named(tmp_path, traine
 
 
 def test_a_missing_init_drafter_stops_preflight_in_one_line(tmp_path):
-    from draftflow.plan import preflight
+    from draftflow.runs.plan import preflight
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path / "run", f"train.init_from={tmp_path / 'gone'}")

@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from draftflow.curate_config import CodeStubsConfig
+from draftflow.config.curate import CodeStubsConfig
 from draftflow.data.readers import import_folder
 from draftflow.data.sources import HUMANEVAL_ASK
 from draftflow.errors import ConfigError

@@ -5,7 +5,7 @@ one check per threshold set, each with the measured value, the threshold and whe
 `failure_line(verdict)` is the one line a failing gate stops the run with.
 
 What it does not know: stores, manifests, run roots, Prefect. Finding the best earlier evaluation
-(`max_regression`) and writing the `promoted` marker are `draftflow.gating`'s; this module gets
+(`max_regression`) and writing the `promoted` marker are `draftflow.runs.gating`'s; this module gets
 the baseline's τ already chosen. Trade-off: a report without a value a threshold needs (a
 `min_speedup` on a report with no predicted speedup) is an error, not a pass: a gate that
 silently skips a check would promote what it never measured.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from draftflow.config.evaluate import GateConfig
 from draftflow.errors import DraftflowError
-from draftflow.evaluate_config import GateConfig
 
 
 class GateError(DraftflowError):

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from draftflow import progress
+from draftflow.engines.vllm_serve import ServeJob, serve_with_vllm
 from draftflow.evaluation import serve_choice
-from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ DRAFTING = serve_choice.DRAFTING
 
 
 def _spec_of(export: Path | None, spec: dict[str, Any] | None) -> dict[str, Any]:
-    from draftflow.vllm_serve import speculative_config
+    from draftflow.engines.vllm_serve import speculative_config
 
     return spec if spec is not None else speculative_config(export)
 
@@ -135,7 +135,7 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
                      runs: dict[str, Any]) -> dict[str, Any]:
     """Per batch size: the setting predicted fastest (`serve_choice.choose`) from the costs measured here,
     then that setting served and measured (settings already measured are not served twice)."""
-    from draftflow.vllm_serve import with_drafts
+    from draftflow.engines.vllm_serve import with_drafts
 
     choices: dict[int, serve_choice.Choice] = {}
     costs: dict[int, dict[str, Any]] = {}

@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from draftflow.config.refresh import RefreshConfig
 from draftflow.data.readers import read_file
 from draftflow.data.sources import BadRow
 from draftflow.data.traffic import conversation, holdout, log_files
 from draftflow.errors import ConfigError
-from draftflow.refresh_config import RefreshConfig
 from draftflow.store import Store
 
 log = logging.getLogger(__name__)

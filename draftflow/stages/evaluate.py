@@ -7,7 +7,7 @@ must equal the target's own greedy output, else the stage fails. Writes
 
 With `evaluate.engine=vllm` both exports of the trained drafter (vLLM-native and
 speculators) are also served by vLLM's speculative decoding on the same prompts
-(`draftflow.vllm_serve`): their tokens must equal greedy, and vLLM's τ must be
+(`draftflow.engines.vllm_serve`): their tokens must equal greedy, and vLLM's τ must be
 within `evaluate.vllm_tau_tolerance` of draftflow's, else the stage fails with
 one line: the drafter would serve differently from how it was measured.
 """
@@ -27,6 +27,7 @@ from draftflow.config import EvaluateConfig, RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
+from draftflow.engines.vllm_serve import ServeJob
 from draftflow.errors import ConfigError, DraftflowError, LosslessError
 from draftflow.evaluation.alignment import alignment_line, alignment_report
 from draftflow.evaluation.compare_with import OtherDrafter, decode_others, resolve_all, rounding_for
@@ -41,7 +42,6 @@ from draftflow.features import round_trip
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
-from draftflow.vllm_serve import ServeJob
 
 log = logging.getLogger(__name__)
 STAGE = "evaluate"
@@ -290,8 +290,8 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: Stag
     Returns:
         (per format its τ, acceptance rates and drafting steps; the served-speedup record or None).
     """
+    from draftflow.engines.vllm_serve import prompt_lookup_config, serve_with_vllm, speculative_config
     from draftflow.evaluation import served as served_speed
-    from draftflow.vllm_serve import prompt_lookup_config, serve_with_vllm, speculative_config
 
     report: dict[str, Any] = {}
     record, runs = None, {}

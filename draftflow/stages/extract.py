@@ -3,7 +3,7 @@
 Tap ids follow DFlash semantics (`draftflow.layers`): id L is the output of
 decoder layer L, `hidden_states[L + 1]`; the ids stored are the drafter kind's
 (`draftflow.drafters.taps.feature_ids`; EAGLE-3 adds `layers.FINAL`, the target's final normed state).
-A capture engine (`draftflow.capture`:
+A capture engine (`draftflow.engines.capture`:
 transformers hooks on the tap layers only, or vLLM) runs length-sorted batches,
 halved on CUDA out-of-memory; features are stored bf16, fp32 or fp8 with
 per-token scales (`draftflow.features`), many samples per shard.
@@ -31,11 +31,11 @@ from typing import Any
 import torch
 
 from draftflow import progress
-from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, carry
 from draftflow.data.schema import read_rows
 from draftflow.drafters.taps import feature_ids
+from draftflow.engines.capture import capture_in_batches, make_capture_engine
 from draftflow.errors import ConfigError
 from draftflow.features import FeatureSample, FeatureShard, merge_feature_shards, sha256_of, write_feature_shard
 from draftflow.stages.common import Source, finalize, shard_result
@@ -60,7 +60,7 @@ def sample_key(row: dict[str, Any]) -> str:
 
 def capture(model, batch_ids: list[list[int]], layer_ids: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Tap features per sequence, (T_i, n_taps, D) in `dtype`, for callers holding a loaded HF model."""
-    from draftflow.capture import HFCapture
+    from draftflow.engines.capture import HFCapture
 
     return [f.to(dtype) for f in HFCapture(model, layer_ids).capture(batch_ids)]
 

@@ -1,7 +1,7 @@
 """Regenerate: the target answers every prompt itself.
 
 The source's assistant turns are dropped and each one is generated again, in
-order, conditioned on the regenerated history (`draftflow.dialogs`): the
+order, conditioned on the regenerated history (`draftflow.engines.dialogs`): the
 drafter must learn the target's distribution, not the dataset's. Generation is
 batched across conversations turn by turn. Engines that return token ids (hf,
 vllm) have them kept per turn, so tokenize supervises exactly what the target
@@ -35,8 +35,8 @@ from draftflow import interrupt, progress
 from draftflow.config import RegenerateConfig, RunConfig
 from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_table, template_kwargs, write_rows
-from draftflow.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
 from draftflow.engines import GenRequest, SamplingParams, make_engine
+from draftflow.engines.dialogs import Dialog, apply_completion, next_group, plan_dialog, thinking_for
 from draftflow.errors import ConversationError
 from draftflow.gguf_target import target_label
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects

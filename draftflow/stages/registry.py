@@ -54,18 +54,18 @@ def _in_stage(stage: str, name: str) -> Callable[..., Any]:
 
 
 def _size(name: str) -> Callable[..., dict[str, Any]]:
-    """The size model `draftflow.estimate.<name>_size` (imported when `plan` first calls it)."""
+    """The size model `draftflow.stages.estimate.<name>_size` (imported when `plan` first calls it)."""
     def size(*args: Any) -> dict[str, Any]:
-        from draftflow import estimate
+        from draftflow.stages import estimate
 
         return getattr(estimate, f"{name}_size")(*args)
     return size
 
 
 def _seconds(name: str) -> Callable[..., float | None]:
-    """The time model `draftflow.estimate.<name>_seconds` (imported when `plan` first calls it)."""
+    """The time model `draftflow.stages.estimate.<name>_seconds` (imported when `plan` first calls it)."""
     def seconds(*args: Any) -> float | None:
-        from draftflow import estimate
+        from draftflow.stages import estimate
 
         return getattr(estimate, f"{name}_seconds")(*args)
     return seconds

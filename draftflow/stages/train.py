@@ -140,7 +140,7 @@ def checkpoint_mirror(store: Store, fp: str) -> str | None:
 def release_gpu_models() -> None:
     """Free what earlier stages left on this process's GPU (a cached target, a vLLM capture
     engine holding `gpu_memory_utilization` of it) before the ranks take the same GPUs."""
-    from draftflow.capture import release_capture_engines
+    from draftflow.engines.capture import release_capture_engines
     from draftflow.target import release_targets
 
     release_capture_engines()

@@ -208,7 +208,7 @@ class OnlineSamples:
 
     @classmethod
     def from_parquet(cls, paths: list[str], target: TargetRef, cfg: RunConfig, layer_ids: list[int]) -> OnlineSamples:
-        from draftflow.capture import make_capture_engine
+        from draftflow.engines.capture import make_capture_engine
 
         cols = ["sample_id", "row", "input_ids", "loss_mask"]
         table = pa.concat_tables([pq.read_table(p, columns=cols) for p in paths])
@@ -223,7 +223,7 @@ class OnlineSamples:
 
     def take(self, indices: list[int]) -> list[FeatureSample]:
         """The samples at `indices`, features captured in length-sorted batches of `extract.batch_size`."""
-        from draftflow.capture import capture_in_batches
+        from draftflow.engines.capture import capture_in_batches
 
         rows = self.table.take(pa.array(indices, type=pa.int64())).to_pylist()
         feats, self.batch_size = capture_in_batches(self.engine, [r["input_ids"] for r in rows], self.batch_size)

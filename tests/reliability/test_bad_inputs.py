@@ -340,9 +340,9 @@ def test_a_read_only_root_is_one_line(prepared, capsys):
 
 
 def test_a_root_without_space_is_one_line(prepared, capsys, monkeypatch):
-    import draftflow.plan
+    import draftflow.runs.plan
 
-    monkeypatch.setattr(draftflow.plan, "free_space", lambda root: 1 << 20)
+    monkeypatch.setattr(draftflow.runs.plan, "free_space", lambda root: 1 << 20)
     code, err = _run_cli(capsys, prepared, TINY, ["extract.force=true"])
     _assert_one_line(code, err, ["root", "1.0 MiB free"], prepared)
 

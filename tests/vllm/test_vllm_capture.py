@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftflow.capture import capture_in_batches, make_capture_engine
 from draftflow.config import VLLMEngineConfig
+from draftflow.engines.capture import capture_in_batches, make_capture_engine
 from draftflow.target import load_target
 from tests.vllm.conftest import CPU_CONNECTOR
 

@@ -93,8 +93,8 @@ def test_a_wrong_mask_token_in_the_export_fails_the_serving_check(dflash_run, tm
     trained with still loads and serves losslessly, but vLLM accepts far less than draftflow measured.
     (Taps off by one would be the other classic; on the random tiny target neighbouring layers are too
     alike for it to move τ, so the mask token stands in for "train and serve differ".)"""
+    from draftflow.engines.vllm_serve import ServeJob, serve_with_vllm
     from draftflow.stages.evaluate import ServingMismatch, check_served
-    from draftflow.vllm_serve import ServeJob, serve_with_vllm
 
     cfg, summary = dflash_run
     report = _served(summary)

@@ -7,7 +7,7 @@ one assistant turn per conversation, answers of `max_new_tokens`, prompts of byt
 tokens, rows cut at `max_length`. Times are a throughput model (`stage_seconds`,
 `assumptions`): FLOPs or weight reads divided by assumed shares of the device's peak.
 
-Does not know: stores or fingerprints (`draftflow.plan` walks the stages); it never loads
+Does not know: stores or fingerprints (`draftflow.runs.plan` walks the stages); it never loads
 weights (the target's shape comes from its config.json).
 """
 

@@ -8,7 +8,7 @@ input shards, the in-shard checkpoints under `partial/` (regenerate's rows, extr
 files), and for train the newest checkpoint it would resume from (in its work folder, or copied
 to the store on a remote root).
 
-What it does not know: sizes and times (`draftflow.plan`), Prefect, or the stages' work. It
+What it does not know: sizes and times (`draftflow.runs.plan`), Prefect, or the stages' work. It
 imports no torch, transformers or Prefect, so `draftflow status` answers in about a second;
 the trade-off is that it repeats a few names the stage modules own (output shard names,
 `partial/`, `checkpoints/step_*`, the train work folder), which tests/test_runstate.py checks

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from draftflow.fields import Section
+from draftflow.config.fields import Section
 
 
 class RefreshConfig(Section):

@@ -5,7 +5,7 @@ manifests exist, so `draftflow plan` shows "complete" for reusable stages,
 "to run" for the first stage that would run, and "waits" after it. Also the
 preflight checks every run passes first, and extract's space check (`check_space`).
 
-Sizes and times come from `draftflow.estimate` (measured from a complete stage's
+Sizes and times come from `draftflow.stages.estimate` (measured from a complete stage's
 manifest, else estimated from its upstream and the config). It never loads weights.
 """
 
@@ -21,7 +21,7 @@ from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.estimate import (
+from draftflow.stages.estimate import (
     CHARS_PER_TOKEN,
     assumptions,
     feature_bytes,
@@ -30,7 +30,7 @@ from draftflow.estimate import (
     source_estimate,
     target_config,
 )
-from draftflow.runstate import stage_states
+from draftflow.runs.runstate import stage_states
 from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
@@ -62,7 +62,7 @@ def preflight(cfg: RunConfig) -> TargetRef:
     check_engine(cfg, target)
     check_online(cfg)
     check_vllm(cfg, target)
-    from draftflow.gating import check_gate
+    from draftflow.runs.gating import check_gate
 
     check_gate(cfg)  # a named evaluate.gate.baseline exists
     from draftflow.evaluation.compare_with import check_compare_with
@@ -237,7 +237,7 @@ def human_bytes(n: float) -> str:
 
 
 # ----------------------------------------------------------------------------- sizes and times by stage
-# Each stage's size and time model is its `StageSpec.size` / `.seconds` (the models: `draftflow.estimate`).
+# Each stage's size and time model is its `StageSpec.size` / `.seconds` (the models: `draftflow.stages.estimate`).
 
 
 def _estimate(stage: str, cfg: RunConfig, sizes: dict, ctx: dict) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from draftflow.fields import Device, Section
+from draftflow.config.fields import Device, Section
 
 
 class GateConfig(Section):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from draftflow.fields import Device, Section
+from draftflow.config.fields import Device, Section
 
 
 class DrafterConfig(Section):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from draftflow.fields import Regex, Section
+from draftflow.config.fields import Regex, Section
 
 
 class SelfInstructConfig(Section):

@@ -95,7 +95,7 @@ def stage_status(cfg: RunConfig, target=None) -> list[dict[str, Any]]:
     done, in-shard checkpoints, train's resume step: `runstate.stage_progress`) and its `older` results.
     Reads manifests and file listings; runs nothing and imports no torch or Prefect."""
     from draftflow.runlock import describe, live_holder
-    from draftflow.runstate import stage_progress, stage_states
+    from draftflow.runs.runstate import stage_progress, stage_states
     from draftflow.target import resolve_target
 
     store = Store(cfg.root)

@@ -14,18 +14,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from draftflow.config_files import read_yaml
-
 # Re-exported: the curate section has its own module (this one is at its size limit). Not inside `draftflow.data`,
 # whose modules import this one: a package on both sides of an import is a two-way tie.
-from draftflow.curate_config import CodeStubsConfig, CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
-from draftflow.errors import ConfigError
-from draftflow.evaluate_config import EvaluateConfig
-from draftflow.fields import BoolOrFraction, Device, Section
-from draftflow.refresh_config import RefreshConfig
+from draftflow.config.curate import CodeStubsConfig, CurateConfig, SelfInstructConfig, SourceConfig  # noqa: F401
+from draftflow.config.evaluate import EvaluateConfig
+from draftflow.config.fields import BoolOrFraction, Device, Section
+from draftflow.config.files import read_yaml
+from draftflow.config.refresh import RefreshConfig
 
 # Re-exported, as the curate section is: the drafter and train sections and their recipes.
-from draftflow.train_config import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig  # noqa: F401
+from draftflow.config.train import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig  # noqa: F401
+from draftflow.errors import ConfigError
 
 
 class TinyTargetConfig(Section):

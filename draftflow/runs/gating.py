@@ -15,7 +15,7 @@ so no sha256 contract covers or breaks on them):
 
 What it does not know: Prefect (the evaluate flow publishes the verdict and fails the flow run).
 Trade-off: "best earlier" is the highest τ among the other complete evaluations of the same target
-and eval set in this root (`draftflow.evalruns`), gated or not, whatever drafter kind: the bar is
+and eval set in this root (`draftflow.runs.evalruns`), gated or not, whatever drafter kind: the bar is
 what was measured, not what was shipped.
 """
 
@@ -28,8 +28,8 @@ from typing import Any
 from draftflow.config import RunConfig
 from draftflow.contracts import StageResult
 from draftflow.errors import DraftflowError
-from draftflow.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
-from draftflow.evaluate_config import GateConfig
+from draftflow.runs.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
+from draftflow.config.evaluate import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
 from draftflow.promotion import marker_path, record_promotion
 from draftflow.store import Store

@@ -1,6 +1,6 @@
 """`draftflow compare RUN...`: τ and predicted speedup of several evaluations side by side.
 
-Each RUN is a run root, an evaluate folder or a report.json (`draftflow.evalruns.resolve`). The
+Each RUN is a run root, an evaluate folder or a report.json (`draftflow.runs.evalruns.resolve`). The
 table has one column per evaluation and one row per figure its report.json holds: overall τ,
 predicted speedup, τ per category, τ of each baseline, τ per DDTree budget, and the last gate
 verdict. Reports written before a key existed simply leave that row blank ("-"): every key but
@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftflow.evalruns import Evaluation, resolve
+from draftflow.runs.evalruns import Evaluation, resolve
 
 Figures = dict[str, float | None]
 

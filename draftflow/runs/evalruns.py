@@ -1,7 +1,7 @@
 """Evaluations in run roots: find the evaluate stage's results, load their reports, and tell which
 ones measured the same thing (the same target on the same eval set).
 
-Used by the gate (`draftflow.gating`: the best earlier evaluation of the same target and eval set)
+Used by the gate (`draftflow.runs.gating`: the best earlier evaluation of the same target and eval set)
 and by `draftflow compare` (a run root, an evaluate folder or a report.json, each read as a list of
 `Evaluation`). Two evaluations are comparable when their manifests name the same target
 fingerprint (`inputs.target`) and their `eval_set` keys are equal: the eval prompts' sample ids
@@ -29,7 +29,7 @@ from draftflow.store import MANIFEST, Store, digest
 
 log = logging.getLogger(__name__)
 REPORT = "report.json"
-GATE = "gate.json"  # the last gate verdict on this evaluation (`draftflow.gating`)
+GATE = "gate.json"  # the last gate verdict on this evaluation (`draftflow.runs.gating`)
 # Evaluate settings that choose which prompts are decoded and for how long: equal values on equal
 # eval splits decode the same prompts (the selection is deterministic).
 EVAL_SET_FIELDS = ("num_prompts", "categories", "max_new_tokens")
@@ -228,7 +228,7 @@ def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
 def _from_config(path: str, overrides: list[str] | None) -> Evaluation:
     """The evaluation a run config resolves to today (its evaluate fingerprint), which must be complete."""
     from draftflow.config import load_config
-    from draftflow.runinfo import stage_status
+    from draftflow.runs.runinfo import stage_status
 
     cfg = load_config(path, overrides)
     row = next(s for s in stage_status(cfg) if s["stage"] == evaluate_stage())
