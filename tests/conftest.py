@@ -150,6 +150,13 @@ def dcfg(target):
     return DFlashConfig.from_target(target.config, DrafterConfig(num_layers=1, block_size=B, num_taps=3), MASK_ID)
 
 
+def n_stages() -> int:
+    """How many stages the registry has (a worked example's copy has more than six)."""
+    from draftflow.stages.registry import stage_names
+
+    return len(stage_names())
+
+
 def run_front(cfg, tiny_target):
     """curate -> regenerate -> tokenize of the first train shard, through the library.
 

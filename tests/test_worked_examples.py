@@ -1,7 +1,9 @@
-"""docs/extending.md's two worked examples, applied exactly as written to a copy of the repository: a stage
-(`short_answers`) and a drafter kind (`flat`). Each touches one new module or folder and one registry line;
-with both in, the fast suite passes in the copy, and the tiny pipeline runs the new stage and trains, exports
-and evaluates the new kind (`tests/docsteps.py` reads the steps).
+"""docs/extending.md's three worked examples, applied exactly as written to a copy of the repository: a stage
+before tokenize (`short_answers`), a stage after it (`repetitive_answers`) and a drafter kind (`flat`). Each
+touches one new module or folder and one registry line; with all three in, the fast suite passes in the copy,
+and the tiny pipeline runs both new stages and trains, exports and evaluates the new kind, EAGLE-3, DFlash with
+the sampled softmax and DFlash with online features through them, and `plan` and `status` read the root
+(`tests/docsteps.py` reads the steps). The copy's slow tier is not run (CI's time budget): these runs stand for it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from tests.docsteps import apply, steps
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "extending.md").read_text()
-STAGE, KIND = "Adding a stage", "Adding a drafter kind"
+STAGE, AFTER, KIND = "Adding a stage (", "Adding a stage after tokenize", "Adding a drafter kind"
 
 
 def test_each_example_touches_one_new_module_and_one_registry_line(tmp_path):
@@ -30,14 +32,17 @@ def test_each_example_touches_one_new_module_and_one_registry_line(tmp_path):
         shutil.copy(ROOT / rel, tmp_path / rel)
     stage = apply(tmp_path, steps(DOC, STAGE))
     assert stage == {"draftflow/stages/short_answers.py", "draftflow/stages/registry.py"}
+    after = apply(tmp_path, steps(DOC, AFTER))
+    assert after == {"draftflow/stages/repetitive_answers.py", "draftflow/stages/registry.py"}
     kind = apply(tmp_path, steps(DOC, KIND))
     assert {p for p in kind if not p.startswith("draftflow/drafters/flat/")} == {"draftflow/drafters/taps.py"}
     def new_lines(rel: str) -> tuple[list[str], int]:
         before, after = (ROOT / rel).read_text().splitlines(), (tmp_path / rel).read_text().splitlines()
         return [line for line in after if line not in before], len(after) - len(before)
 
-    added, grown = new_lines("draftflow/stages/registry.py")  # one entry (two lines) put in
-    assert added[0].lstrip().startswith('StageSpec("short_answers"') and grown == len(added) == 2
+    added, grown = new_lines("draftflow/stages/registry.py")  # one entry (two lines) put in for each stage
+    assert [a.lstrip()[:30] for a in added[::2]] == ['StageSpec("short_answers", abo', 'StageSpec("repetitive_answers"']
+    assert grown == len(added) == 4
     added, grown = new_lines("draftflow/drafters/taps.py")  # one line changed
     assert added == ['KINDS = ("dflash", "eagle3", "flat")'] and grown == 0
 
@@ -57,10 +62,10 @@ def _copy_repo(dest: Path) -> None:
 
 
 @pytest.mark.slow
-def test_both_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
+def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     repo = tmp_path / "repo"
     _copy_repo(repo)
-    apply(repo, steps(DOC, STAGE) + steps(DOC, KIND))
+    apply(repo, steps(DOC, STAGE) + steps(DOC, AFTER) + steps(DOC, KIND))
     # Its own cache, as a fresh `make test-fast` has: sharing this session's, a test that counts S3 bytes found the
     # download an earlier test of this session had cached (Store.local_path) and failed under `make test`.
     env = {**os.environ, "PYTHONPATH": str(repo), "DRAFTFLOW_CACHE": str(tmp_path / "cache")}
@@ -88,3 +93,20 @@ def test_both_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     assert (train / "export" / "vllm" / "model.safetensors").is_file()
     report = json.loads(next(stages["evaluate"].glob("*/report.json")).read_text())
     assert report["tau"] >= 1.0
+    after = manifest("repetitive_answers")  # the stage after tokenize: extract read it, token counts passed on
+    assert after["rows_in"] == after["rows_out"] + sum(after["dropped"].values())
+    assert after["extra"]["carried"]["token_counts"]["stage"] == "tokenize"
+
+    # The other kinds and train's readers of what tokenize hands on, through both new stages, in the same root.
+    for extra in (["drafter.kind=eagle3"], ["train.sampled_softmax=64"], ["extract.mode=online"]):
+        sets = [a for kv in [*small, *extra] for a in ("--set", kv)]
+        args = ["configs/tiny.yaml", "--set", f"root={run_root}", *sets]
+        run = subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=repo, env=env, capture_output=True,
+                             text=True, timeout=1800)
+        assert run.returncode == 0, extra + [run.stdout[-3000:] + run.stderr[-3000:]]
+        assert "mean acceptance length tau" in run.stdout, extra
+        for cmd in ("plan", "status"):  # they read the root through the same wiring, the new stages included
+            out = subprocess.run([sys.executable, "-m", "flows.cli", cmd, *args], cwd=repo, env=env,
+                                 capture_output=True, text=True, timeout=600)
+            assert out.returncode == 0 and "repetitive_answers" in out.stdout, (extra, cmd, out.stdout + out.stderr)
+        assert "8/8 stages complete" in out.stdout, out.stdout
