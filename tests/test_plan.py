@@ -115,7 +115,8 @@ def test_extract_flow_checks_the_space_before_any_shard(tmp_path, tiny_target, m
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**6, 10**6 - 123, 123))
     monkeypatch.setattr(stage_tasks, "stage_shard", None)  # any shard task would fail differently
     cfg = tiny_config(tmp_path / "run")
-    tokenized = StageResult(stage="tokenize", fingerprint="tok", status="ran", digest="d", path="p",
+    # extract's upstream as the registry has it (tokenize, or a stage put after it in a worked example's copy)
+    tokenized = StageResult(stage=spec("extract").upstream[0], fingerprint="tok", status="ran", digest="d", path="p",
                             manifest=_tokenized(1000))
     target = {"path": tiny_target.path, "fingerprint": tiny_target.fingerprint}
     with pytest.raises(DraftflowError, match=r"extract needs .* but .* has 123 B free"):
