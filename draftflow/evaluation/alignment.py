@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from draftflow import progress
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.evaluation.decode import RoundFn, capture_taps
 from draftflow.features import FeatureSample
@@ -58,7 +59,8 @@ def slot_alignment(
     B, hits, n = drafter.config.block_size, dict.fromkeys(OFFSETS, 0), 0
     kind = spec_for_architecture(drafter.config.architecture)
     drafter.eval()
-    for prompt, continuation in sequences:
+    for i, (prompt, continuation) in enumerate(sequences):
+        progress.within("evaluate", i, len(sequences), "prompts")
         ids = list(prompt) + list(continuation)
         T, first = len(ids), max(len(prompt), 1)
         if T - B + 1 <= first:  # no whole block after the prompt (a short answer): nothing to count
