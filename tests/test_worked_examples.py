@@ -98,15 +98,16 @@ def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     assert after["extra"]["carried"]["token_counts"]["stage"] == "tokenize"
 
     # The other kinds and train's readers of what tokenize hands on, through both new stages, in the same root.
-    for extra in (["drafter.kind=eagle3"], ["train.sampled_softmax=64"], ["extract.mode=online"]):
+    for config, extra in (("tiny-eagle3", []), ("tiny", ["train.sampled_softmax=64"]),
+                          ("tiny", ["extract.mode=online"])):
         sets = [a for kv in [*small, *extra] for a in ("--set", kv)]
-        args = ["configs/tiny.yaml", "--set", f"root={run_root}", *sets]
+        args = [f"configs/{config}.yaml", "--set", f"root={run_root}", *sets]
         run = subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=repo, env=env, capture_output=True,
                              text=True, timeout=1800)
-        assert run.returncode == 0, extra + [run.stdout[-3000:] + run.stderr[-3000:]]
-        assert "mean acceptance length tau" in run.stdout, extra
+        assert run.returncode == 0, [config, *extra, run.stdout[-3000:] + run.stderr[-3000:]]
+        assert "mean acceptance length tau" in run.stdout, (config, extra)
         for cmd in ("plan", "status"):  # they read the root through the same wiring, the new stages included
             out = subprocess.run([sys.executable, "-m", "flows.cli", cmd, *args], cwd=repo, env=env,
                                  capture_output=True, text=True, timeout=600)
-            assert out.returncode == 0 and "repetitive_answers" in out.stdout, (extra, cmd, out.stdout + out.stderr)
+            assert out.returncode == 0 and "repetitive_answers" in out.stdout, (config, cmd, out.stdout + out.stderr)
         assert "8/8 stages complete" in out.stdout, out.stdout
