@@ -117,7 +117,7 @@ def cmd_status(args) -> int:
 
 def _print_promoted(root: str, target_fingerprint: str) -> None:
     """The drafter in service (the root's promoted pointer), whether it is stale, and the refreshes so far."""
-    from draftflow.promotion import pointer
+    from draftflow.promotion import OLD_POINTER_STAGE, pointer
     from draftflow.refresh import history
     from draftflow.store import Store
     from draftflow.training.warm import stale_promoted
@@ -126,7 +126,8 @@ def _print_promoted(root: str, target_fingerprint: str) -> None:
     current = (pointer(store) or {}).get("current")
     if current:
         tau = "-" if current.get("tau") is None else f"{current['tau']:.3f}"
-        print(f"  promoted drafter: train/{current['train']} tau {tau} since {current['at']} ({current['export']})")
+        stage = current.get("stage", OLD_POINTER_STAGE)
+        print(f"  promoted drafter: {stage}/{current['train']} tau {tau} since {current['at']} ({current['export']})")
     stale = stale_promoted(root, target_fingerprint)
     if stale:
         print(f"  promoted drafter: {stale}")
