@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import traceback
 
 import pytest
 import torch
@@ -71,8 +72,13 @@ def _worker(rank: int, world: int, store: str, target, runs: list[tuple[str, dic
         # As the torchrun ranks do (`training.launch._barrier`): no rank tears its process group down while
         # the other still works in it (seen on a loaded machine as a gloo abort in FSDP's teardown).
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # The cause, printed before anything else: tearing the group down while the peer is still in a collective
+        # can abort this process (SIGABRT, "terminate called without an active exception", seen once in CI under
+        # load) before spawn records the exception. So a failing rank leaves its group to process exit.
+        traceback.print_exc()
+        raise
+    dist.destroy_process_group()
 
 
 def _rendezvous(tmp_path) -> str:
