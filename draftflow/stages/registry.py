@@ -138,7 +138,7 @@ class StageSpec:
         more_inputs: `cfg -> fingerprint inputs` read outside the run's stages (evaluate: `compare_with`).
         unit: what one of its output rows is, as the run summary names it.
         makes: what its folder holds for code outside the stages, which finds the folder by it (`maker`):
-            "conversations", "sequences", "features", "drafter", "evaluation".
+            "conversations", "sequences", "token_counts", "features", "drafter", "evaluation".
         resumes: `cfg -> how an unfinished run of it resumes`, for `status`: "shards" (output shards committed,
             in-shard checkpoints), "steps" (training checkpoints) or None (it starts over); None: "shards" for a
             stage with a `run_shard`.
@@ -200,7 +200,7 @@ _REGISTRY: list[StageSpec] = _chained([
               run_shard=_in_stage("tokenize", "run_shard"),
               finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
-              more_inputs=_tokenize_inputs, unit="sequences"),
+              more_inputs=_tokenize_inputs, unit="sequences", makes=("sequences", "token_counts")),
     StageSpec("extract", about="Capture the target's hidden states at the taps.", gpu="shards",
               gpus=_vllm_group(lambda c: c.extract.engine), device=lambda c: c.target.device, split="train",
               run_shard=_in_stage("extract", "run_shard"),
