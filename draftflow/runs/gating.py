@@ -26,12 +26,12 @@ import re
 from typing import Any
 
 from draftflow.config import RunConfig
+from draftflow.config.evaluate import GateConfig
 from draftflow.contracts import StageResult
 from draftflow.errors import DraftflowError
-from draftflow.runs.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
-from draftflow.config.evaluate import GateConfig
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
 from draftflow.promotion import marker_path, record_promotion
+from draftflow.runs.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
 from draftflow.store import Store
 
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")

@@ -21,6 +21,8 @@ from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
+from draftflow.runs.runstate import stage_states
+from draftflow.stages.curate import check_sources
 from draftflow.stages.estimate import (
     CHARS_PER_TOKEN,
     assumptions,
@@ -30,8 +32,6 @@ from draftflow.stages.estimate import (
     source_estimate,
     target_config,
 )
-from draftflow.runs.runstate import stage_states
-from draftflow.stages.curate import check_sources
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.registry import maker, spec, stage_names
