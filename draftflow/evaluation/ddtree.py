@@ -234,14 +234,14 @@ def tree_generate(
     """
     layer_ids, drafts = drafter.config.target_layer_ids, drafter.config.block_size - 1
     nodes = budget_nodes(budget, drafts)
+    block_logits = spec_for_architecture(drafter.config.architecture).block_logits  # the kind's one drafting pass
     logits, feats = capture_taps(target, prompt_ids, layer_ids, round_features)
     seq = list(prompt_ids)  # tokens the target has read; the anchor sits at position len(seq)
     out, done = _finish([int(logits[-1].argmax())], max_new_tokens, eos_ids)
     accept: list[int] = []
     while not done:
         anchor, n = out[-1], len(seq)
-        tree = build_tree(spec_for_architecture(drafter.config.architecture).block_logits(drafter, anchor,
-                                                                                           feats[:n])[1:], nodes)
+        tree = build_tree(block_logits(drafter, anchor, feats[:n])[1:], nodes)
         logits, vfeats = verify_tree(target, seq + [anchor], tree, layer_ids, round_features)
         path, bonus = accept_path(tree, logits[n:].argmax(-1).tolist())
         drafted = [tree.tokens[j] for j in path]

@@ -90,12 +90,13 @@ def eval_ids(store: Store, curate_fp: str) -> list[str] | None:
     """The sample ids of curate's eval split, in the order the evaluate stage reads them; None if unreadable."""
     import pyarrow.parquet as pq
 
+    stage = _curate_stage()
     try:
-        manifest = store.read_json(store.stage_path(_curate_stage(), curate_fp, MANIFEST))
+        manifest = store.read_json(store.stage_path(stage, curate_fp, MANIFEST))
         ids: list[str] = []
         for shard in manifest["shards"]:
             if shard.get("split") == "eval":
-                with store.fs.open(store.stage_path(_curate_stage(), curate_fp, shard["name"]), "rb") as fh:
+                with store.fs.open(store.stage_path(stage, curate_fp, shard["name"]), "rb") as fh:
                     ids += pq.read_table(fh, columns=["sample_id"]).column("sample_id").to_pylist()
         return ids
     except (OSError, ValueError, KeyError) as exc:
@@ -132,11 +133,12 @@ def _read_optional(store: Store, path: str) -> dict[str, Any] | None:
 def load(store: Store, fp: str, label: str | None = None) -> Evaluation | None:
     """The evaluation under `evaluate/<fp>` of `store`: with its manifest when the stage is complete
     (its report then checked against its sha256), else from a bare report.json; None when neither."""
-    manifest = store.read_manifest(evaluate_stage(), fp)
-    path = store.stage_path(evaluate_stage(), fp, REPORT)
+    stage = evaluate_stage()
+    manifest = store.read_manifest(stage, fp)
+    path = store.stage_path(stage, fp, REPORT)
     if manifest is not None:
         entry = next((s for s in manifest.shards if s.name == REPORT), None)
-        report = store.read_json(store.verify_sha(evaluate_stage(), fp, entry) if entry else path)
+        report = store.read_json(store.verify_sha(stage, fp, entry) if entry else path)
     else:
         report = _read_optional(store, path)
         if report is None:
@@ -144,11 +146,11 @@ def load(store: Store, fp: str, label: str | None = None) -> Evaluation | None:
     name = posixpath.basename(store.base.rstrip("/")) or store.base
     return Evaluation(
         label or f"{name}/{fp}",
-        store.url(store.stage_path(evaluate_stage(), fp)),
+        store.url(store.stage_path(stage, fp)),
         report,
         fp,
         manifest,
-        _read_optional(store, store.stage_path(evaluate_stage(), fp, GATE)),
+        _read_optional(store, store.stage_path(stage, fp, GATE)),
     )
 
 

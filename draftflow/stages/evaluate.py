@@ -297,12 +297,12 @@ def serve_exports(store: Store, cfg: RunConfig, target: TargetRef, trained: Stag
     record, runs = None, {}
     with tempfile.TemporaryDirectory(prefix="draftflow-exports-") as tmp:
         folders = _export_folders(store, trained, Path(tmp))
-        timed = bool(cfg.evaluate.served_batches and "vllm" in folders)
+        timing = bool(cfg.evaluate.served_batches and "vllm" in folders)
         # Its engine runs, for progress: each export format once (the vLLM-native one as a timed method), and when
         # timed plain decoding, each served baseline and at most one chosen setting per batch size.
         baselines, batches = len(cfg.evaluate.served_baselines), len(cfg.evaluate.served_batches)
-        progress.count(STAGE, len(folders) + (1 + baselines + batches if timed else 0), "vLLM engine runs")
-        if timed:
+        progress.count(STAGE, len(folders) + (1 + baselines + batches if timing else 0), "vLLM engine runs")
+        if timing:
             drafts = speculative_config(folders["vllm"])["num_speculative_tokens"]
             methods = {cfg.drafter.kind: (folders["vllm"], None)}
             methods |= {name: (None, prompt_lookup_config(drafts)) for name in cfg.evaluate.served_baselines}

@@ -156,7 +156,7 @@ def stale_promoted(root: str, target_fingerprint: str) -> str | None:
     found = promoted_export(store)
     if found is None:
         return None
-    fp, folder = found
+    folder = found[1]
     trained_for = _trained_for(store, folder) if store.exists(folder) else None
     if not trained_for or trained_for == target_fingerprint:
         return None
