@@ -34,6 +34,7 @@ ROOT = Path(__file__).parent
 COMPUTED = {
     f"{PACKAGE}.drafters.taps": ("drafters/{kind}/taps.py",),
     f"{PACKAGE}.drafters.registry": ("drafters/{kind}/*.py",),
+    f"{PACKAGE}.config.train": ("drafters/{kind}/settings.py",),  # a kind's own settings (`kind_settings`)
 }
 KINDS_FILE = "drafters/taps.py"
 

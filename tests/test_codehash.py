@@ -93,14 +93,16 @@ def test_a_kinds_files_count_for_the_stages_that_load_them_by_name(tmp_path):
 
 
 def test_the_data_stages_see_each_kinds_data_rule_and_nothing_else_of_it():
-    """Tokenize and extract read every kind's light rule (`drafters/<kind>/taps.py`); an edit to a kind's model,
-    objective or export must not recompute them."""
+    """Tokenize and extract read every kind's light rule (`drafters/<kind>/taps.py`) and its own settings (the
+    config validates them: `<kind>/settings.py`); an edit to a kind's model, objective or export must not recompute
+    them."""
     for stage in ("tokenize", "extract"):
         files = {str(p.relative_to(codehash.ROOT)) for p in closure(codehash.ROOT, f"draftflow.stages.{stage}")}
         assert {"drafters/taps.py", "drafters/dflash/taps.py", "drafters/eagle3/taps.py"} <= files, stage
         drafters = {p for p in files if p.startswith("drafters/")}
         light = {"drafters/__init__.py", "drafters/taps.py", "drafters/rule.py"}
-        assert all(p in light or p.endswith(("/taps.py", "/__init__.py")) for p in drafters), (stage, drafters)
+        own = ("/taps.py", "/settings.py", "/__init__.py")
+        assert all(p in light or p.endswith(own) for p in drafters), (stage, drafters)
         assert not any(p.startswith(("models/", "training/")) for p in files), stage
 
 
@@ -111,8 +113,9 @@ def test_library_imports_no_module_by_computed_name():
                  if pattern.search(p.read_text())]
     # The stage registry imports each stage's module by the stage's name; no stage imports the registry, so no
     # stage's closure depends on that edge. The drafter registries import each kind's modules by the kind's
-    # name, and `codehash.COMPUTED` names the files they may import.
-    assert sorted(offenders) == ["drafters/registry.py", "drafters/taps.py", "stages/registry.py"]
+    # name, and `codehash.COMPUTED` names the files they may import; so does the drafter section's validation,
+    # which loads each kind's own settings (`config.train.kind_settings`).
+    assert sorted(offenders) == ["config/train.py", "drafters/registry.py", "drafters/taps.py", "stages/registry.py"]
     assert {f"draftflow.{p[:-3].replace('/', '.')}" for p in offenders} - set(codehash.COMPUTED) == {
         "draftflow.stages.registry"}
     stage_closures = [closure(codehash.ROOT, f"draftflow.stages.{s}") for s in stage_names()]

@@ -60,3 +60,47 @@ def test_a_recipe_holds_only_its_deltas_over_its_base(tmp_path):
     (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
     with pytest.raises(ConfigError, match="is its own base"):
         load_config(tmp_path / "loop.yaml")
+
+
+def test_a_kinds_own_settings_are_validated_by_the_kind_and_blamed_on_the_key(tmp_path):
+    """DFlash's block and taps and EAGLE-3's unroll live in their folders (`drafters/<kind>/settings.py`); the
+    `drafter` section takes the shared fields and the kind's own, and nothing else, in one line naming the key."""
+    from draftflow.drafters.dflash.settings import DFlashSettings
+    from draftflow.drafters.eagle3.settings import Eagle3Settings
+
+    dflash = load_config("configs/tiny.yaml").drafter
+    assert dflash.own(DFlashSettings).block_size == 8 and "ttt_steps" not in dflash.model_dump()
+    eagle3 = load_config("configs/tiny-eagle3.yaml").drafter
+    assert eagle3.own(Eagle3Settings).ttt_steps == 4 and "block_size" not in eagle3.model_dump()
+
+    with pytest.raises(ConfigError, match=r"^unknown config key 'drafter\.ttt_steps' for drafter\.kind dflash \(its "
+                       r"own settings: block_size, num_taps.*\) in --set drafter\.ttt_steps=3; remove it"):
+        load_config("configs/tiny.yaml", ["drafter.ttt_steps=3"])
+    with pytest.raises(ConfigError, match=r"^invalid value of 'drafter\.ttt_decay': .* in --set drafter\.ttt_decay=2$"):
+        load_config("configs/tiny-eagle3.yaml", ["drafter.ttt_decay=2"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter:\n  kind: eagle3\n  block_size: 8\n")
+    with pytest.raises(ConfigError, match=rf"'drafter\.block_size' for drafter\.kind eagle3 .* in {bad}"):
+        load_config(bad)
+
+
+def test_a_kinds_default_written_out_fingerprints_as_one_left_out():
+    """The kind's defaults are filled in when the section loads: `ttt_steps: 7` written equals it left out."""
+    from draftflow.stages.common import fingerprint
+
+    other = load_config("configs/tiny-eagle3.yaml", ["drafter.ttt_steps=7"])
+    written = load_config("configs/tiny-eagle3.yaml")
+    assert written.drafter.ttt_decay == 0.8 and other.drafter.model_dump()["ttt_decay"] == 0.8
+    data = written.model_dump(mode="json")
+    del data["drafter"]["ttt_decay"]  # tiny-eagle3.yaml writes the default out
+    again = RunConfig.model_validate(data)
+    assert fingerprint("train", again, {}) == fingerprint("train", written, {})
+    assert fingerprint("train", other, {}) != fingerprint("train", written, {})  # 7 unrolled steps, not 4
+
+
+def test_setting_another_kind_keeps_only_the_fields_it_has():
+    """`--set drafter.kind=K` over a DFlash file: EAGLE-3 gets none of DFlash's own fields (its defaults instead),
+    the shared ones stay; the kind check is the kind's, at once."""
+    cfg = load_config("configs/tiny.yaml", ["drafter.kind=eagle3", "drafter.num_layers=1"])
+    assert "block_size" not in cfg.drafter.model_dump() and cfg.drafter.ttt_steps == 7
+    assert cfg.drafter.num_layers == 1

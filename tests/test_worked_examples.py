@@ -77,7 +77,8 @@ def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     run_root = tmp_path / "run"
     small = ["train.max_steps=100", "evaluate.num_prompts=6", "evaluate.ddtree_budgets=[1]"]  # the run, not its tau
     run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set", f"root={run_root}",
-                          "--set", "drafter.kind=flat", *(a for kv in small for a in ("--set", kv))],
+                          "--set", "drafter.kind=flat", "--set", "drafter.flat_slots=3",
+                          *(a for kv in small for a in ("--set", kv))],
                          cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stages = {p.name: p for p in run_root.iterdir() if p.is_dir() and not p.name.startswith("_")}
@@ -90,12 +91,22 @@ def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
     train = next(stages["train"].glob("*"))
     checkpoint = json.loads((train / "checkpoint" / "config.json").read_text())
     assert checkpoint["architecture"] == "FlatDFlashDrafter"
+    drafter = manifest("train")["config"]["drafter"]  # the kind's own setting, and DFlash's from tiny.yaml, kept
+    assert drafter["flat_slots"] == 3 and drafter["block_size"] == 8 and "ttt_steps" not in drafter
     assert (train / "export" / "vllm" / "model.safetensors").is_file()
     report = json.loads(next(stages["evaluate"].glob("*/report.json")).read_text())
     assert report["tau"] >= 1.0
     after = manifest("repetitive_answers")  # the stage after tokenize: extract read it, token counts passed on
     assert after["rows_in"] == after["rows_out"] + sum(after["dropped"].values())
     assert after["extra"]["carried"]["token_counts"]["stage"] == "tokenize"
+
+    # The kind's setting belongs to it: on another kind, or misspelt, one line at once, naming the key.
+    for kind, key in (("dflash", "drafter.flat_slots"), ("flat", "drafter.flat_slot")):
+        bad = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "configs/tiny.yaml", "--set",
+                              f"root={run_root}", "--set", f"drafter.kind={kind}", "--set", f"{key}=3"], cwd=repo,
+                             env=env, capture_output=True, text=True, timeout=600)
+        assert bad.returncode != 0 and f"unknown config key '{key}' for drafter.kind {kind}" in bad.stderr, bad.stderr
+        assert "Traceback" not in bad.stderr
 
     # The other kinds and train's readers of what tokenize hands on, through both new stages, in the same root.
     for config, extra in (("tiny-eagle3", []), ("tiny", ["train.sampled_softmax=64"]),

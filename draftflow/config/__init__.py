@@ -23,7 +23,7 @@ from draftflow.config.files import read_yaml
 from draftflow.config.refresh import RefreshConfig
 
 # Re-exported, as the curate section is: the drafter and train sections and their recipes.
-from draftflow.config.train import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig  # noqa: F401
+from draftflow.config.train import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig, kept_for_kind  # noqa: F401
 from draftflow.errors import ConfigError
 
 
@@ -208,8 +208,8 @@ class RunConfig(Section):
         """A section (or one field, by dotted path) as JSON data, minus NOT_FINGERPRINTED fields."""
         head, _, field = name.partition(".")
         data = getattr(self, head).model_dump(mode="json")
-        if field:
-            return data[field]
+        if field:  # a field of the kind's own settings is absent for another kind
+            return data.get(field)
         return {k: v for k, v in data.items() if f"{head}.{k}" not in NOT_FINGERPRINTED}
 
 
@@ -238,9 +238,19 @@ NOT_FINGERPRINTED |= {"train.nproc_per_node", "train.nnodes", "train.rdzv_endpoi
 NOT_FINGERPRINTED |= {"train.init_from"}
 
 
+def _error_key(first: dict[str, Any]) -> str:
+    """The dotted config key a validation error is about (a kind's own setting names it in its context)."""
+    if first["type"] == "kind_setting":
+        return first["ctx"]["key"]
+    return ".".join(str(p) for p in first["loc"])
+
+
 def _format_validation_error(err: ValidationError, origin: str) -> str:
     first = err.errors()[0]
-    path = ".".join(str(p) for p in first["loc"])
+    path = _error_key(first)
+    if first["type"] == "kind_setting":
+        return f"{first['msg']} in {origin}; remove it or fix its spelling" if first["msg"].startswith(
+            "unknown") else f"{first['msg']} in {origin}"
     if first["type"] == "extra_forbidden":
         return f"unknown config key '{path}' in {origin}; remove it or fix its spelling"
     return f"invalid config value at '{path}' in {origin}: {first['msg']}"
@@ -302,6 +312,8 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     keys = {}
     for text in overrides or []:
         key, value = parse_override(text)
+        if key == "drafter.kind" and isinstance(data.get("drafter"), dict):
+            data["drafter"] = kept_for_kind(data["drafter"], value)  # the file's fields the new kind has
         set_dotted(data, key, value)
         keys[key] = text
     return validate_config(data, origin, keys)
@@ -319,7 +331,7 @@ def validate_config(data: dict[str, Any], origin: str, overrides: dict[str, str]
     try:
         return RunConfig.model_validate(data)
     except ValidationError as err:
-        loc = ".".join(str(p) for p in err.errors()[0]["loc"])
+        loc = _error_key(err.errors()[0])
         by = next((t for k, t in (overrides or {}).items() if loc == k or loc.startswith(k + ".")), None)
         raise ConfigError(_format_validation_error(err, f"--set {by}" if by else origin)) from None
 

@@ -9,36 +9,35 @@ recipe. Kept apart from `draftflow.config`, which re-exports both sections, to k
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import importlib
+import importlib.util
+import logging
+from typing import Any, Literal, TypeVar
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from draftflow.config.fields import Device, Section
 
+S = TypeVar("S", bound=Section)
+
 
 class DrafterConfig(Section):
-    """The drafter's kind and shape. DFlash uses every field but the `ttt_*` ones; EAGLE-3 uses
-    `target_layer_ids` (3 taps), `ttt_steps`, `ttt_decay` and `attn_backend`, always has one
-    decoder layer (`num_layers` must be left unset or 1) and ignores `num_taps`."""
+    """The drafter's kind and the fields every kind reads; each kind's own fields (DFlash's block and taps,
+    EAGLE-3's unroll and draft vocabulary) are written in the same section and belong to the kind: its
+    `draftflow/drafters/<kind>/settings.py` declares and validates them (`kind_settings`), so a field another
+    kind owns, or a misspelt one, is a one-line error naming the key. EAGLE-3 always has one decoder layer
+    (`num_layers` must be left unset or 1)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     kind: str = Field("dflash", description="drafter algorithm: a kind of the drafter registry "
                       "(`draftflow.drafters`: dflash, eagle3), checked at preflight")
     num_layers: int = Field(5, ge=1)
-    block_size: int = Field(16, ge=2)
-    num_taps: int = Field(5, ge=1)
     target_layer_ids: list[int] | None = Field(
-        None, description="DFlash ids (output of decoder layer L); null = paper default"
+        None, description="taps, draftflow ids (output of decoder layer L); null = the kind's default"
     )
-    mask_token_id: int | None = Field(None, description="null = len(tokenizer)")
     attn_backend: Literal["auto", "sdpa", "flex"] = Field("auto", description="auto = flex on CUDA, sdpa on CPU")
-    layer_types: list[str] | None = Field(
-        None, description="per layer full_attention | sliding_attention; null = all full"
-    )
-    sliding_window: int | None = Field(None, ge=1, description="window of sliding_attention layers")
-    draft_vocab_size: int = Field(32000, ge=1, description="EAGLE-3: draft vocabulary, the N most frequent "
-                                  "supervised tokens (counted by tokenize, chosen by train)")
-    ttt_steps: int = Field(7, ge=1, description="EAGLE-3: training-time-test unroll steps = drafts per round")
-    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="EAGLE-3: loss weight of unroll step i is decay^i")
     # The objective's options (`draftflow.drafters.objectives`); null = `train.recipe`'s choice.
     distill_top_k: int | None = Field(
         None, ge=0, description="labels: 0 = hard (the regenerated token; DFlash's paper recipe); k > 0 = soft, the "
@@ -47,6 +46,65 @@ class DrafterConfig(Section):
     acceptance_loss: bool | None = Field(
         None, description="add the gradient of each block's expected accepted length (LK-style, arXiv 2602.23881): "
         "a slot's loss -log(acceptance) is weighted by the accepted tokens that depend on it")
+
+
+    @model_validator(mode="after")
+    def _kind_settings(self) -> DrafterConfig:
+        """The fields beyond the shared ones, validated by the kind's settings and filled with its defaults (so a
+        default written out fingerprints as one left out)."""
+        owned = kind_settings(self.kind)
+        if owned is None:  # not a kind's folder: preflight names the known kinds
+            return self
+        extra = self.__pydantic_extra__ or {}
+        unknown = sorted(set(extra) - set(owned.model_fields))
+        if unknown:
+            raise PydanticCustomError(
+                "kind_setting", "unknown config key '{key}' for drafter.kind {kind} (its own settings: {own})",
+                {"key": f"drafter.{unknown[0]}", "kind": self.kind, "own": ", ".join(owned.model_fields) or "none"})
+        try:
+            values = owned.model_validate(extra)
+        except ValidationError as err:
+            first = err.errors()[0]
+            key = "drafter." + ".".join(str(p) for p in first["loc"])
+            raise PydanticCustomError("kind_setting", "invalid value of '{key}': {msg}",
+                                      {"key": key, "msg": first["msg"]}) from None
+        self.__pydantic_extra__ = values.model_dump(mode="json")
+        return self
+
+    def own(self, settings: type[S]) -> S:
+        """This section's kind-owned fields as the kind's settings model (typed access for its parts)."""
+        return settings.model_validate(self.__pydantic_extra__ or {})
+
+
+def kind_settings(kind: str) -> type[Section] | None:
+    """`draftflow/drafters/<kind>/settings.py`'s `SETTINGS`, the fields that kind owns; a kind folder without one
+    owns none (`Section`); None: no folder of that name. Imported by the kind's name, as the drafter registry
+    imports a kind's spec (`draftflow.codehash.COMPUTED` counts the file in every stage's code hash): the config is
+    below the drafters' layer and must not import a kind by a written import."""
+    if not kind.isidentifier() or importlib.util.find_spec(f"draftflow.drafters.{kind}") is None:
+        return None
+    try:
+        module = importlib.import_module(f"draftflow.drafters.{kind}.settings")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"draftflow.drafters.{kind}.settings":
+            raise
+        return Section
+    return module.SETTINGS
+
+
+def kept_for_kind(section: dict[str, Any], kind: Any) -> dict[str, Any]:
+    """A `drafter` section's fields that `kind` also has (the shared ones and its own), for `--set drafter.kind=K`
+    over a file written for another kind: DFlash's block and taps carry over to a kind that varies DFlash, and
+    never reach EAGLE-3. The fields dropped are logged (a file that names another kind replaces the section)."""
+    owned = kind_settings(kind) if isinstance(kind, str) else None
+    if owned is None:
+        return section
+    keep = set(DrafterConfig.model_fields) | set(owned.model_fields)
+    dropped = sorted(k for k in section if k not in keep)
+    if dropped:
+        logging.getLogger(__name__).info("drafter.kind=%s: the config file's %s left out (not settings of %s)", kind,
+                                         ", ".join(f"drafter.{k}" for k in dropped), kind)
+    return {k: v for k, v in section.items() if k in keep}
 
 
 class TrainConfig(Section):

@@ -50,7 +50,8 @@ class DrafterSpec:
             its own vocabulary (training chooses it from tokenize's counts); None: the target's.
         config_from_target: (target HF config, drafter section, DraftInputs) -> the drafter config.
         build: (drafter config, target model, draft vocab (d2t, t2d) or None) -> a fresh drafter.
-        objective: (drafter config, train section) -> the training objective.
+        objective: (drafter config, train section, the run's drafter section or None) -> the training objective
+            (the section: for a kind whose loss reads a setting of its own, `drafter.own(<kind>.settings.SETTINGS)`).
         propose: (drafter, seq, anchor, ctx features) -> greedy drafts (evaluate).
         cached_proposer: (drafter) -> a fresh `CachedProposer` for one prompt (evaluate with
             `evaluate.kv_cache`): the same drafts as `propose`, from cached drafter state.
@@ -80,7 +81,7 @@ class DrafterSpec:
     draft_vocab: Callable[[Counter, int, int], tuple[list[int], list[bool]]] | None
     config_from_target: Callable[[Any, DrafterConfig, DraftInputs], Any]
     build: Callable[..., Any]
-    objective: Callable[[Any, TrainConfig], Any]
+    objective: Callable[[Any, TrainConfig, DrafterConfig | None], Any]
     propose: Callable[..., list[int]]
     cached_proposer: Callable[[Any], CachedProposer]
     drafts_per_step: Callable[[Any], int]

@@ -168,7 +168,7 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
     hooks = Hooks(on_checkpoint=push, on_heldout=publish_heldout)
-    start = Start(vocab, loss_tokens(store, cfg, features), init)
+    start = Start(vocab, loss_tokens(store, cfg, features), init, cfg.drafter)
     metrics = train_drafter(samples, model, dcfg, cfg.train, out, start=start, hooks=hooks)
     return Trained(metrics, model.config, len(samples), tokens)
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from draftflow import interrupt, progress
-from draftflow.config import TrainConfig
+from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.batches import step_indices, total_steps
 from draftflow.drafters.objectives import LossStats
 from draftflow.drafters.registry import spec_for_architecture
@@ -188,6 +188,8 @@ class Start:
     # train.init_from: (`warm.InitDrafter`, the drafter loaded from it); every weight starts from its (checked to
     # fit first), and train.init_from_target is then not applied
     init: tuple[Any, Any] | None = None
+    # The run's `drafter` section, for a kind whose objective reads a setting of its own (`<kind>/settings.py`)
+    drafter: DrafterConfig | None = None
 
 
 def _sample_ids(samples) -> list[str]:
@@ -257,7 +259,7 @@ def train_drafter(
     train_set, held = heldout.split(samples, lengths, tcfg.heldout_fraction if tcfg.eval_every != "off" else 0.0)
     total = total_steps(len(train_set), tcfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(math.ceil(tcfg.warmup_ratio * total), total))
-    objective = spec.objective(dcfg, tcfg)
+    objective = spec.objective(dcfg, tcfg, start.drafter)
     if start.loss_tokens is not None:
         objective.loss_tokens = start.loss_tokens
     meta = _run_meta(samples, dcfg, tcfg, draft_vocab)

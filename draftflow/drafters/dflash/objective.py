@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftflow.config import TrainConfig
+from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.batches import IGNORE
 from draftflow.drafters.dflash.batches import BlockBatch, anchor_generator, build_training_batch, sampled_vocab
 from draftflow.drafters.dflash.config import DFlashConfig
@@ -31,7 +31,8 @@ def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 
 def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gamma: float,
-                soft: tuple[torch.Tensor, torch.Tensor] | None = None, acceptance: bool = False) -> LossStats:
+                soft: tuple[torch.Tensor, torch.Tensor] | None = None, acceptance: bool = False,
+                weights: torch.Tensor | None = None) -> LossStats:
     """Decayed block cross entropy plus accuracy statistics.
 
     Args:
@@ -43,6 +44,7 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
             (`drafter.distill_top_k`); None = the hard labels (the paper).
         acceptance: `drafter.acceptance_loss`: each slot's loss is -log(acceptance) and its weight adds the
             accepted drafts that depend on it (`objectives.chain_gain`).
+        weights: (B,) slot weights in place of gamma's decay (a kind that weights its slots otherwise).
 
     Returns:
         `LossStats`; `loss` is normalised by the summed decay weight of valid slots (the paper's; the
@@ -51,7 +53,7 @@ def dflash_loss(logits: torch.Tensor, labels: torch.Tensor, block_size: int, gam
     V = logits.shape[-1]
     flat = labels.reshape(-1)
     valid = (flat != IGNORE).view(-1, block_size)  # (N, B)
-    w = slot_weights(block_size, gamma).to(logits.device)[None, :] * valid  # (N, B)
+    w = (slot_weights(block_size, gamma) if weights is None else weights).to(logits.device)[None, :] * valid  # (N, B)
     weight_sum = float(w.sum())
     if soft is None and not acceptance:  # the paper's recipe, exactly
         ce = F.cross_entropy(logits.reshape(-1, V).float(), flat, ignore_index=IGNORE, reduction="none")
@@ -80,7 +82,7 @@ HELDOUT_STEP = 1 << 40  # the anchors of held-out blocks: a seed no training ste
 class DFlashObjective:
     """DFlash: random anchored blocks, the decayed block cross entropy (and the `ObjectiveOptions`)."""
 
-    def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig):
+    def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig, drafter: DrafterConfig | None = None):
         self.cfg, self.tcfg, self.B = cfg, tcfg, cfg.block_size
         self.gamma = tcfg.gamma or default_gamma(cfg.block_size)
         self.weights = slot_weights(cfg.block_size, self.gamma)
@@ -121,7 +123,7 @@ class DFlashObjective:
         if b.vocab is not None:  # label ids -> their column among the scored tokens (accuracy is within them)
             labels = torch.where(labels == IGNORE, labels, torch.searchsorted(b.vocab, labels.clamp_min(0)))
         soft = self._soft_labels(drafter, b) if self.options.distill_top_k else None
-        return dflash_loss(logits, labels, self.B, self.gamma, soft, self.options.acceptance_loss)
+        return dflash_loss(logits, labels, self.B, self.gamma, soft, self.options.acceptance_loss, self.weights)
 
     @torch.no_grad()
     def _soft_labels(self, drafter, b: BlockBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftflow.config import TrainConfig
+from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
@@ -103,7 +103,7 @@ def eagle3_options_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_voca
 class Eagle3Objective:
     """EAGLE-3: the training-time-test unroll, soft targets over the draft vocabulary."""
 
-    def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig):
+    def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig, drafter: DrafterConfig | None = None):
         self.cfg, self.n_slots = cfg, cfg.ttt_steps
         self.decays = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
         self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)

@@ -1,0 +1,19 @@
+"""EAGLE-3's own settings: the fields of the `drafter` section only this kind reads (its unroll and its draft
+vocabulary). Plain pydantic, loaded by the config by the kind's name (see `draftflow/drafters/dflash/settings.py`).
+"""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from draftflow.config.fields import Section
+
+
+class Eagle3Settings(Section):
+    draft_vocab_size: int = Field(32000, ge=1, description="the draft vocabulary: the N most frequent supervised "
+                                  "tokens (counted by tokenize, chosen by train)")
+    ttt_steps: int = Field(7, ge=1, description="training-time-test unroll steps = drafts per round")
+    ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of unroll step i is decay^i")
+
+
+SETTINGS = Eagle3Settings
