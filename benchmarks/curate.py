@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 import zstandard
 
 from draftflow.config import CurateConfig, SourceConfig, load_config
+from draftflow.contracts import Stamp
 from draftflow.data.readers import read_file, source_files
 from draftflow.stages import curate
 from draftflow.store import Store
@@ -118,7 +119,8 @@ def main() -> None:
     shutil.rmtree(folder / "run", ignore_errors=True)
     base = _peak_mb(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    m = curate.run(Store(cfg.root), "bench", cfg, {}, workers=args.workers)
+    into = Stamp(stage="curate", fingerprint="bench", inputs={}, config={})
+    m = curate.run(Store(cfg.root), into, cfg, workers=args.workers)
     stage_s = time.perf_counter() - t0
     print(f"raw read+parse : {n / raw_s:10.0f} rows/s ({raw_s:.1f}s, one process)")
     print(f"curate stage   : {n / stage_s:10.0f} rows/s ({stage_s:.1f}s, {args.workers} scan workers, "

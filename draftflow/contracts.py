@@ -100,6 +100,17 @@ class ShardResult(_Frozen):
         return self
 
 
+class Stamp(_Frozen):
+    """What a stage's run is handed besides its data: its name, its fingerprint, the fingerprint's inputs
+    (upstream digests, outside inputs) and the config sections it hashes, as its manifest records them. Made
+    once, where the registry is read (`stages.registry.stamp`), so a stage never looks up its own sections."""
+
+    stage: str
+    fingerprint: str
+    inputs: dict[str, str]
+    config: dict[str, Any]
+
+
 class Manifest(_Frozen):
     """A complete stage: written last, it is what makes the stage complete (contract 3)."""
 

@@ -21,9 +21,9 @@ from prefect.futures import as_completed
 
 from draftflow import interrupt, progress
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
-from draftflow.stages.common import fingerprint, stage_result, tidy_complete
-from draftflow.stages.registry import spec, stage_gpus
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, Stamp
+from draftflow.stages.common import stage_result, tidy_complete
+from draftflow.stages.registry import spec, stage_gpus, stamp
 from draftflow.store import Store
 from flows.deploy import gpu_slot
 from flows.keys import artifact_key, run_key
@@ -53,14 +53,14 @@ def with_storage(task_fn, store: Store):
     return task_fn.with_options(result_storage=block)
 
 
-def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, str, Manifest | None]:
-    """(store, fingerprint, complete manifest or None) for this stage."""
+def reuse(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> tuple[Store, Stamp, Manifest | None]:
+    """(store, the stage's stamp (its fingerprint), complete manifest or None) for this stage."""
     store = Store(cfg.root)
-    fp = fingerprint(stage, cfg, inputs)
-    manifest = store.read_manifest(stage, fp)
+    handed = stamp(cfg, stage, inputs)
+    manifest = store.read_manifest(stage, handed.fingerprint)
     if manifest is not None:  # a run killed after the manifest left its resume folders
-        tidy_complete(store, stage, fp)
-    return store, fp, manifest
+        tidy_complete(store, stage, handed.fingerprint)
+    return store, handed, manifest
 
 
 def map_shards(task_fn, store: Store, stage: str, shards: list,
@@ -152,12 +152,12 @@ def publish_table(cfg: RunConfig, stage: str, what: str, rows: list[dict[str, An
 
 
 def run_stage(cfg: RunConfig, stage: str, inputs: dict[str, str],
-              work: Callable[[Store, str], Manifest]) -> StageResult:
-    """Reuse a complete stage, or run `work(store, fp)` (which returns the manifest)."""
-    store, fp, manifest = reuse(cfg, stage, inputs)
+              work: Callable[[Store, Stamp], Manifest]) -> StageResult:
+    """Reuse a complete stage, or run `work(store, stamp)` (which returns the manifest)."""
+    store, handed, manifest = reuse(cfg, stage, inputs)
     status = "reused"
     if manifest is None:
-        manifest, status = work(store, fp), "ran"
+        manifest, status = work(store, handed), "ran"
     result = stage_result(store, manifest, status)
     publish_counts(cfg, stage, result)
     return result

@@ -47,10 +47,10 @@ def curate_flow(cfg: RunConfig) -> StageResult:
     check_sources(cfg.curate)  # fails here, before any work, on an unreachable source
     inputs, tokenizer = stage_inputs(cfg, "curate", None, {}), token_counter(cfg)
 
-    def work(store, fp):
-        scans = map_shards(CT.curate_scan, store, "curate", plan_parts(cfg.curate), cfg=cfg, fp=fp,
+    def work(store, handed):
+        scans = map_shards(CT.curate_scan, store, "curate", plan_parts(cfg.curate), cfg=cfg, fp=handed.fingerprint,
                            tokenizer=tokenizer)
-        return CT.curate_merge(cfg=cfg, fp=fp, inputs=inputs, scans=scans)
+        return CT.curate_merge(cfg=cfg, stamp=handed, scans=scans)
     result = run_stage(cfg, "curate", inputs, work)
     publish_table(cfg, "curate", "sources", table_rows(result.manifest.extra.get("sources", {})),
                   "curate: rows read, kept and dropped by reason per source")
@@ -71,14 +71,14 @@ def sharded_stage_flow(stage: str):
         s = spec(stage)  # read at run time: a test may put a stage in front of this one
         inputs = _inputs(cfg, stage, target, upstream)
 
-        def work(store, fp):
+        def work(store, handed):
             if s.check:  # e.g. an unreachable endpoint fails here, before any shard
                 s.check(cfg, target_ref(target))
-            shards = upstream.manifest.data_shards(s.split)
+            shards, fp = upstream.manifest.data_shards(s.split), handed.fingerprint
             results = map_shards(shard_task(stage, cfg), store, stage, shards, cfg=cfg, fp=fp, target=target,
                                  stage_name=stage, source=list(Source.of(upstream.manifest)))
             results, extra = s.finish(store, fp, cfg, target_ref(target), results) if s.finish else (results, {})
-            return finalize(store, stage, fp, cfg, inputs, results, extra=carry(upstream.manifest, extra))
+            return finalize(store, handed, results, extra=carry(upstream.manifest, extra))
         return run_stage(cfg, stage, inputs, work)
     return stage_flow
 
@@ -90,19 +90,20 @@ def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageR
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
     cache; a bad one drops the manifest and only that shard is recomputed."""
     inputs = _inputs(cfg, "extract", target, tokenized)
-    store, fp, _ = reuse(cfg, "extract", inputs)
-    drop_manifest_if_damaged(store, fp)
+    store, handed, _ = reuse(cfg, "extract", inputs)
+    drop_manifest_if_damaged(store, handed.fingerprint)
 
-    def work(store, fp):
+    def work(store, handed):
+        fp = handed.fingerprint
         if cfg.extract.mode == "online":  # nothing stored: train computes the features per batch
-            return online_manifest(store, fp, cfg, inputs, tokenized)
+            return online_manifest(store, handed, cfg, tokenized)
         check_space(cfg, tokenized.manifest, target_ref(target), fp=fp)  # before any shard
         shards = tokenized.manifest.data_shards("train")
         results = map_shards(shard_task("extract", cfg), store, "extract", shards,
                              verify=lambda entries: set(bad_shards(store, fp, entries)),
                              cfg=cfg, fp=fp, target=target, stage_name="extract",
                              source=list(Source.of(tokenized.manifest)))
-        return finalize(store, "extract", fp, cfg, inputs, results, extra=carry(tokenized.manifest, {}))
+        return finalize(store, handed, results, extra=carry(tokenized.manifest, {}))
     return run_stage(cfg, "extract", inputs, work)
 
 
@@ -126,10 +127,10 @@ def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResu
     inputs = _inputs(cfg, "train", target, features)
     install(run_key(cfg))  # progress and the held-out document reach the UI from a train flow run on its own too
 
-    def work(store, fp):
+    def work(store, handed):
         with every_core():
             task = T.train_drafter.with_options(tags=device_tags(cfg, "train"))
-            return task(cfg=cfg, fp=fp, target=target, inputs=inputs, features=feature_source(features))
+            return task(cfg=cfg, stamp=handed, target=target, features=feature_source(features))
     result = run_stage(cfg, "train", inputs, work)
     metrics = result.manifest.extra.get("metrics") or {}
     publish_table(cfg, "train", "metrics", metrics_table(metrics),
@@ -145,10 +146,10 @@ def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResu
 def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: StageResult) -> StageResult:
     inputs = _inputs(cfg, "evaluate", target, curated, trained)
 
-    def work(store, fp):
+    def work(store, handed):
         with every_core():
             task = T.evaluate_drafter.with_options(tags=device_tags(cfg, "evaluate"))
-            return task(cfg=cfg, fp=fp, target=target, inputs=inputs, curated=curated, trained=trained)
+            return task(cfg=cfg, stamp=handed, target=target, curated=curated, trained=trained)
     result = run_stage(cfg, "evaluate", inputs, work)
     return gate_stage(cfg, result, trained)  # also on a reused stage: thresholds are in no fingerprint
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prefect import task
 
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest, ShardResult, SourcePart
+from draftflow.contracts import Manifest, ShardResult, SourcePart, Stamp
 from draftflow.stages import curate
 from draftflow.store import Store
 from tasks.stage_tasks import SHARD, STAGE
@@ -23,5 +23,5 @@ def curate_scan(cfg: RunConfig, fp: str, shard: SourcePart, tokenizer: str | Non
 
 
 @task(name="curate-merge", **STAGE)
-def curate_merge(cfg: RunConfig, fp: str, inputs: dict[str, str], scans: list[ShardResult]) -> Manifest:
-    return curate.merge(Store(cfg.root), fp, cfg, inputs, scans)
+def curate_merge(cfg: RunConfig, stamp: Stamp, scans: list[ShardResult]) -> Manifest:
+    return curate.merge(Store(cfg.root), stamp, cfg, scans)

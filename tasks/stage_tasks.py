@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from draftflow.config import RunConfig
-from draftflow.contracts import FeatureSource, Manifest, ShardEntry, ShardResult, StageResult
+from draftflow.contracts import FeatureSource, Manifest, ShardEntry, ShardResult, StageResult, Stamp
 from draftflow.errors import DraftflowError
 from draftflow.stages import evaluate, train
 from draftflow.stages.common import Source, shard_key
@@ -61,11 +61,11 @@ def stage_shard(cfg: RunConfig, fp: str, target: dict, stage_name: str, source: 
 
 
 @task(name="train-drafter", **STAGE)
-def train_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, features: FeatureSource) -> Manifest:
-    return train.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, features)
+def train_drafter(cfg: RunConfig, stamp: Stamp, target: dict, features: FeatureSource) -> Manifest:
+    return train.run(Store(cfg.root), stamp, cfg, TargetRef(**target), features)
 
 
 @task(name="evaluate-drafter", **STAGE)
-def evaluate_drafter(cfg: RunConfig, fp: str, target: dict, inputs: dict, curated: StageResult,
+def evaluate_drafter(cfg: RunConfig, stamp: Stamp, target: dict, curated: StageResult,
                      trained: StageResult) -> Manifest:
-    return evaluate.run(Store(cfg.root), fp, cfg, TargetRef(**target), inputs, curated, trained)
+    return evaluate.run(Store(cfg.root), stamp, cfg, TargetRef(**target), curated, trained)

@@ -164,12 +164,13 @@ def run_front(cfg, tiny_target):
         (store, curate shard, regenerate fingerprint, regenerate result, tokenize result)
     """
     from draftflow.stages import curate, regenerate, tokenize
-    from draftflow.stages.common import Source, fingerprint, manifest_digest
+    from draftflow.stages.common import Source, manifest_digest
+    from draftflow.stages.registry import stamp
     from draftflow.store import Store
 
     store = Store(cfg.root)
-    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
-    rfp = fingerprint("regenerate", cfg, {"curate": manifest_digest(cm)})
+    cm = curate.run(store, stamp(cfg, "curate", {}), cfg)
+    rfp = stamp(cfg, "regenerate", {"curate": manifest_digest(cm)}).fingerprint
     shard = [s for s in cm.shards if s.split == "train"][0]
     rres = regenerate.run_shard(store, rfp, cfg, tiny_target, Source("curate", cm.fingerprint), shard)
     tres = tokenize.run_shard(store, "tokfp", cfg, tiny_target, Source("regenerate", rfp), rres.shard)
@@ -185,7 +186,7 @@ def one_shard_features(cfg, tiny_target):
 
     store, _, _, _, tres = run_front(cfg, tiny_target)
     eres = extract.run_shard(store, "exfp", cfg, tiny_target, Source("tokenize", "tokfp"), tres.shard)
-    manifest = finalize(store, "extract", "exfp", cfg, {}, [eres])
+    manifest = finalize(store, stamped("extract", "exfp", {}), [eres])
     return store, StoredFeatures(stage="extract", fingerprint="exfp", shards=manifest.data_shards("train"))
 
 
@@ -281,3 +282,11 @@ def greedy_samples(target, dcfg, prompts: list[list[int]], new_tokens: int = 19)
         taps = len(dcfg.target_layer_ids)
         samples.append(FeatureSample(f"s{i}", torch.tensor(ids), mask, feats.reshape(len(ids), taps, -1)))
     return samples
+
+
+def stamped(stage: str, fp: str, inputs: dict[str, str]):
+    """A stage's stamp with a fixed fingerprint and no config sections, for tests that run one stage's function
+    into a folder of their choosing (a run gets its stamp from the registry: `registry.stamp`)."""
+    from draftflow.contracts import Stamp
+
+    return Stamp(stage=stage, fingerprint=fp, inputs=inputs, config={})

@@ -206,8 +206,8 @@ def test_every_deployment_binds_to_its_flow_and_pool():
 def test_status_says_why_an_older_result_is_not_reused(tmp_path):
     """After a config edit (or an upgrade) a stage shows as "to run"; its older result is named with
     the fields that differ, so nobody wonders why terabytes are about to be recomputed."""
-    from draftflow.config import STAGE_SECTIONS
     from draftflow.runs.runinfo import older_results
+    from draftflow.stages.registry import stamp
     from draftflow.store import MANIFEST, Store, code_version
     from tests.conftest import tiny_config
 
@@ -216,7 +216,7 @@ def test_status_says_why_an_older_result_is_not_reused(tmp_path):
     store = Store(now.root)
     for fp, version in (("aaaa", code_version("train")), ("bbbb", "0.0.1+old")):
         store.write_json(store.stage_path("train", fp, MANIFEST), {
-            "code_version": version, "config": {n: before.section(n) for n in STAGE_SECTIONS["train"]}})
+            "code_version": version, "config": stamp(before, "train", {}).config})
     found = {o["fingerprint"]: o["why"] for o in older_results(store, now, "train", "cccc")}
     assert found == {"aaaa": ["train.lr"], "bbbb": ["code", "train.lr"]}
     assert older_results(store, now, "train", "aaaa")[0]["fingerprint"] == "bbbb"  # its own result is not older
@@ -224,15 +224,15 @@ def test_status_says_why_an_older_result_is_not_reused(tmp_path):
 
 def test_status_names_a_torn_manifest_and_an_unknown_upstream(tmp_path):
     """Every older result shown by `status` has a reason: never "differs in: " and nothing after it."""
-    from draftflow.config import STAGE_SECTIONS
     from draftflow.runs.runinfo import older_results
+    from draftflow.stages.registry import stamp
     from draftflow.store import MANIFEST, Store, code_version
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path / "run")
     store = Store(cfg.root)
     store.write_json(store.stage_path("train", "aaaa", MANIFEST), {
-        "code_version": code_version("train"), "config": {n: cfg.section(n) for n in STAGE_SECTIONS["train"]}})
+        "code_version": code_version("train"), "config": stamp(cfg, "train", {}).config})
     torn = tmp_path / "run" / "train" / "torn" / MANIFEST
     torn.parent.mkdir(parents=True)
     torn.write_bytes(b'{"code_version": "0.1')

@@ -16,6 +16,7 @@ from draftflow.data.sources import HUMANEVAL_ASK
 from draftflow.errors import ConfigError
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import stamped
 
 LONG = "Return the sum of the squares of the numbers in values, skipping any that are None or negative."
 MODULE = f'''
@@ -169,7 +170,7 @@ def test_curate_reads_stubs_as_user_turns_and_drops_an_eval_copy(tmp_path, monke
     cfg = cfg.model_copy(update={"curate": CurateConfig(sources=sources, eval_fraction=0.0)})
     inputs, _ = curate.stage_inputs(cfg)
     assert Path(cfg.curate.sources[0].generated).name in curate.source_keys(cfg.curate)["code"]
-    m = curate.run(Store(cfg.root), "fp", cfg, inputs)
+    m = curate.run(Store(cfg.root), stamped("curate", "fp", inputs), cfg)
     rows = [r for s in m.shards for r in read_rows(f"{cfg.root}/curate/fp/{s.name}")]
     train = [r["messages"][0]["content"] for r in rows if r["source"] == "code"]
     assert len(train) == 1 and "cached_twice" in train[0]  # the stub equal to the eval prompt went

@@ -86,7 +86,7 @@ def test_a_kinds_own_settings_are_validated_by_the_kind_and_blamed_on_the_key(tm
 
 def test_a_kinds_default_written_out_fingerprints_as_one_left_out():
     """The kind's defaults are filled in when the section loads: `ttt_steps: 7` written equals it left out."""
-    from draftflow.stages.common import fingerprint
+    from draftflow.stages.registry import stamp
 
     other = load_config("configs/tiny-eagle3.yaml", ["drafter.ttt_steps=7"])
     written = load_config("configs/tiny-eagle3.yaml")
@@ -94,8 +94,8 @@ def test_a_kinds_default_written_out_fingerprints_as_one_left_out():
     data = written.model_dump(mode="json")
     del data["drafter"]["ttt_decay"]  # tiny-eagle3.yaml writes the default out
     again = RunConfig.model_validate(data)
-    assert fingerprint("train", again, {}) == fingerprint("train", written, {})
-    assert fingerprint("train", other, {}) != fingerprint("train", written, {})  # 7 unrolled steps, not 4
+    assert stamp(again, "train", {}).fingerprint == stamp(written, "train", {}).fingerprint
+    assert stamp(other, "train", {}).fingerprint != stamp(written, "train", {}).fingerprint  # 7 unrolled steps, not 4
 
 
 def test_setting_another_kind_keeps_only_the_fields_it_has():

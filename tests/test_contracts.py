@@ -29,12 +29,14 @@ def _written(tmp_path, monkeypatch):
     import pyarrow as pa
 
     from draftflow.config import RunConfig
+    from draftflow.stages.registry import stamp
 
     store = Store(str(tmp_path / "root"))
     entry = write_parquet(store, "curate", "fp1", "part-0.parquet", [{"x": 1}, {"x": 2}],
                           pa.schema([("x", pa.int64())]), split="train")
     result = shard_result(entry, None, rows_in=3, rows_out=2, dropped={"too_short": 1})
-    manifest = finalize(store, "curate", "fp1", RunConfig(), {"sources": "s"}, [result])
+    manifest = finalize(store, stamp(RunConfig(), "curate", {"sources": "s"}).model_copy(update={"fingerprint": "fp1"}),
+                        [result])
     return store, manifest
 
 

@@ -8,8 +8,9 @@ from draftflow.config import CurateConfig, SourceConfig, load_config
 from draftflow.data.schema import read_rows
 from draftflow.errors import SourceError
 from draftflow.stages import curate
-from draftflow.stages.common import fingerprint
+from draftflow.stages.registry import stamp
 from draftflow.store import Store
+from tests.conftest import stamped
 
 
 def _write_sources(tmp_path):
@@ -38,7 +39,7 @@ def _write_sources(tmp_path):
 
 def _run(ccfg, root):
     cfg = load_config(None, [f"root={root}"]).model_copy(update={"curate": ccfg})
-    return curate.run(Store(str(root)), "fp", cfg, {})
+    return curate.run(Store(str(root)), stamped("curate", "fp", {}), cfg)
 
 
 def _rows(root, manifest, kind="shards"):
@@ -69,8 +70,8 @@ def test_adapters_rejects_and_dedup_account_for_every_row(tmp_path):
 def test_run_is_deterministic_split_and_sharded(tmp_path):
     ccfg = _write_sources(tmp_path)
     cfg = load_config(None, [f"root={tmp_path / 'a'}"]).model_copy(update={"curate": ccfg})
-    m1 = curate.run(Store(str(tmp_path / "a")), "fp", cfg, {})
-    m2 = curate.run(Store(str(tmp_path / "b")), "fp", cfg, {})
+    m1 = curate.run(Store(str(tmp_path / "a")), stamped("curate", "fp", {}), cfg)
+    m2 = curate.run(Store(str(tmp_path / "b")), stamped("curate", "fp", {}), cfg)
     assert [s.sha256 for s in m1.shards] == [s.sha256 for s in m2.shards]  # byte-identical
     splits = {s.split for s in m1.shards}
     assert splits == {"train", "eval"}
@@ -94,5 +95,5 @@ def test_missing_source_fails_at_start_with_its_path(tmp_path):
     cfg = load_config("configs/tiny.yaml", [f"root={tmp_path}/r"])
     cfg.curate.sources[1].path = str(tmp_path / "missing.jsonl")
     with pytest.raises(SourceError, match=r"source 'openai': path .*missing.jsonl does not exist"):
-        curate.run(Store(cfg.root), fingerprint("curate", cfg, {}), cfg, {})
+        curate.run(Store(cfg.root), stamp(cfg, "curate", {}), cfg)
     assert not (tmp_path / "r").exists()  # nothing written

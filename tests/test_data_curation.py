@@ -15,6 +15,9 @@ from draftflow.data import dedup, mixture
 from draftflow.data.schema import read_rows
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import stamped
+
+STAMP = stamped("curate", "fp", {})  # curate into <root>/curate/fp
 
 FIX = Path(__file__).parent / "fixtures" / "sources"
 
@@ -35,7 +38,7 @@ def _prompts(path: Path, texts: list[str]) -> str:
 
 def test_every_fixture_format_curates_with_reasons_and_accounting(tmp_path):
     sources = [SourceConfig(name=p.name.split(".")[0], path=str(p)) for p in sorted(FIX.iterdir())]
-    m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=sources, eval_fraction=0.2, shard_rows=3), {})
+    m = curate.run(Store(str(tmp_path)), STAMP, _cfg(tmp_path, sources=sources, eval_fraction=0.2, shard_rows=3))
     assert m.rows_in == m.rows_out + sum(m.dropped.values()) == 28
     assert m.dropped == {"empty_prompt": 2, "invalid_utf8": 2, "malformed_json": 2, "non_text_content": 1,
                             "not_an_object": 1, "unknown_format": 1, "unknown_role": 2}
@@ -55,10 +58,10 @@ def test_filters_chars_tokens_blocklist_charset(tmp_path, tiny_target):
     src = SourceConfig(name="p", path=_prompts(tmp_path / "p.jsonl", texts))
     cfg = _cfg(tmp_path, sources=[src], min_prompt_chars=2, max_prompt_chars=200, blocklist=["(?i)forbidden"],
                max_non_latin=0.5, max_prompt_tokens=40, eval_fraction=0.0)
-    m = curate.run(Store(str(tmp_path)), "fp", cfg, {}, tokenizer=tiny_target.path)
+    m = curate.run(Store(str(tmp_path)), STAMP, cfg, tokenizer=tiny_target.path)
     assert m.dropped == {"too_short": 1, "too_long": 1, "blocklisted": 1, "non_latin": 1}
     cfg = _cfg(tmp_path, sources=[src], max_prompt_tokens=3, eval_fraction=0.0)
-    m = curate.run(Store(str(tmp_path / "t")), "fp", cfg, {}, tokenizer=tiny_target.path)
+    m = curate.run(Store(str(tmp_path / "t")), STAMP, cfg, tokenizer=tiny_target.path)
     assert m.dropped["too_many_tokens"] >= 3
 
 
@@ -66,8 +69,8 @@ def test_near_duplicates_are_removed_and_reported(tmp_path):
     base = "explain how a hash table resolves collisions with open addressing and chaining in detail please"
     texts = [base, base.upper() + "!", base + " now", "what is 17 plus 7?", "what is 17 plus 8?"]
     src = SourceConfig(name="p", path=_prompts(tmp_path / "p.jsonl", texts))
-    m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=[src], near_dup_threshold=0.8,
-                                                   eval_fraction=0.0), {})
+    m = curate.run(Store(str(tmp_path)), STAMP, _cfg(tmp_path, sources=[src], near_dup_threshold=0.8,
+                                                   eval_fraction=0.0))
     report = m.extra["near_duplicates"]
     assert m.dropped == {"near_duplicate": 2} and report["removed"] == 2
     assert report["examples"][0]["kept"]["preview"] == base and report["examples"][0]["similarity"] >= 0.8
@@ -90,14 +93,14 @@ def test_mixture_counts_weights_and_determinism(tmp_path):
     a = _prompts(tmp_path / "a.jsonl", [f"alpha question {i}" for i in range(40)])
     b = _prompts(tmp_path / "b.jsonl", [f"beta question {i}" for i in range(30)])
     srcs = [SourceConfig(name="a", path=a, count=10), SourceConfig(name="b", path=b, count=50)]
-    m = curate.run(Store(str(tmp_path / "1")), "fp", _cfg(tmp_path, sources=srcs, shard_rows=7), {})
+    m = curate.run(Store(str(tmp_path / "1")), STAMP, _cfg(tmp_path, sources=srcs, shard_rows=7))
     assert m.extra["kept_per_source"] == {"a": 10, "b": 30} and m.dropped == {"mixture_cap": 30}
-    again = curate.run(Store(str(tmp_path / "2")), "fp", _cfg(tmp_path, sources=srcs, shard_rows=7), {})
+    again = curate.run(Store(str(tmp_path / "2")), STAMP, _cfg(tmp_path, sources=srcs, shard_rows=7))
     assert [s.sha256 for s in m.shards] == [s.sha256 for s in again.shards]  # byte-identical
     weighted = [SourceConfig(name="a", path=a, weight=3), SourceConfig(name="b", path=b, weight=1)]
-    m = curate.run(Store(str(tmp_path / "3")), "fp", _cfg(tmp_path, sources=weighted, total_rows=20), {})
+    m = curate.run(Store(str(tmp_path / "3")), STAMP, _cfg(tmp_path, sources=weighted, total_rows=20))
     assert m.extra["kept_per_source"] == {"a": 15, "b": 5}
-    m = curate.run(Store(str(tmp_path / "4")), "fp", _cfg(tmp_path, sources=weighted), {})
+    m = curate.run(Store(str(tmp_path / "4")), STAMP, _cfg(tmp_path, sources=weighted))
     assert m.extra["kept_per_source"] == {"a": 40, "b": 13}  # the largest 3:1 mix 40 + 30 rows allow
 
 
@@ -113,8 +116,8 @@ def test_parallel_scans_give_the_same_shards(tmp_path):
     for i in range(3):
         _prompts(tmp_path / f"part-{i}.jsonl", [f"question {i}-{j}" for j in range(30)] + ["question 0-0"])
     src = SourceConfig(name="g", path=str(tmp_path / "part-*.jsonl"))
-    serial = curate.run(Store(str(tmp_path / "s")), "fp", _cfg(tmp_path, sources=[src], shard_rows=16), {})
-    parallel = curate.run(Store(str(tmp_path / "p")), "fp", _cfg(tmp_path, sources=[src], shard_rows=16), {},
+    serial = curate.run(Store(str(tmp_path / "s")), STAMP, _cfg(tmp_path, sources=[src], shard_rows=16))
+    parallel = curate.run(Store(str(tmp_path / "p")), STAMP, _cfg(tmp_path, sources=[src], shard_rows=16),
                           workers=2)
     assert serial.extra["parts"] == 3 and serial.dropped == {"duplicate": 3}
     assert [s.sha256 for s in serial.shards] == [s.sha256 for s in parallel.shards]
@@ -127,7 +130,7 @@ def test_hf_datasets_streaming_source(tmp_path):
     pq.write_table(pa.table({"system_prompt": ["", "Be brief."], "question": ["Q one?", "Q two?"],
                              "response": ["a", "b"]}), folder / "train-00000-of-00001.parquet")
     src = SourceConfig(name="orca", hf=str(folder), hf_split="train")
-    m = curate.run(Store(str(tmp_path / "r")), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
+    m = curate.run(Store(str(tmp_path / "r")), STAMP, _cfg(tmp_path, sources=[src], eval_fraction=0.0))
     assert m.rows_out == 2 and m.extra["sources"]["orca"]["read"] == 2
 
 
@@ -151,7 +154,7 @@ def test_rows_too_large_huge_numbers_and_deep_nesting_are_counted_rejects(tmp_pa
     assert [getattr(r, "reason", "row") for r in rows] == ["row", "row_too_large", "row", "number_too_large",
                                                           "too_deeply_nested", "row"]
     src = SourceConfig(name="bad", path=str(path), max_row_bytes=1 << 20)
-    m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
+    m = curate.run(Store(str(tmp_path)), STAMP, _cfg(tmp_path, sources=[src], eval_fraction=0.0))
     assert m.rows_out == 3
     assert m.dropped == {"row_too_large": 1, "number_too_large": 1, "too_deeply_nested": 1}
     rejects = {r["reason"]: r for r in _rows(tmp_path, m, "rejected")}

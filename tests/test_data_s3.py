@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import stamped
+
 FIX = Path(__file__).parent / "fixtures" / "sources"
 
 
@@ -32,7 +34,7 @@ def test_curate_reads_s3_sources_and_writes_s3_shards(bucket):
         update={"curate": CurateConfig(sources=sources, shard_rows=4)})
     inputs, _ = curate.stage_inputs(cfg)
     store = Store(cfg.root)
-    manifest = curate.run(store, "fp", cfg, inputs)
+    manifest = curate.run(store, stamped("curate", "fp", inputs), cfg)
     assert store.read_manifest("curate", "fp") == manifest
     assert manifest.extra["parts"] == 4 and manifest.extra["sources"]["jsonl"]["read"] == 9
     assert manifest.rows_in == manifest.rows_out + sum(manifest.dropped.values())

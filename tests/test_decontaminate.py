@@ -16,6 +16,7 @@ from draftflow.data.schema import read_rows
 from draftflow.errors import ConfigError
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import stamped
 
 # Long enough (50+ words) that changing one word keeps the word-3-gram Jaccard near 0.9.
 EVAL = ("Write a short story about a lighthouse keeper who finds a message in a bottle that was sent by her "
@@ -34,7 +35,7 @@ def _file(path: Path, texts: list[str]) -> str:
 def _run(tmp_path: Path, name: str, **fields):
     cfg = load_config(None, [f"root={tmp_path / name}"])
     cfg = cfg.model_copy(update={"curate": CurateConfig(**fields)})
-    m = curate.run(Store(cfg.root), "fp", cfg, {})
+    m = curate.run(Store(cfg.root), stamped("curate", "fp", {}), cfg)
     rows = [r for s in m.shards for r in read_rows(f"{cfg.root}/curate/fp/{s.name}")]
     prompts = {split: [r["messages"][-1]["content"] for r in rows if r["split"] == split]
                for split in ("train", "eval")}

@@ -24,7 +24,7 @@ from draftflow.evaluation.suite import add_comparisons, run_baselines, split_sta
 from draftflow.evaluation.summary import console_lines, draw_plots, headline, markdown
 from draftflow.stages import curate
 from draftflow.store import Store
-from tests.conftest import B
+from tests.conftest import B, stamped
 
 # ----------------------------------------------------------------------------- curation keeps categories
 
@@ -56,7 +56,7 @@ def _sources(tmp_path):
 def _curate(root, sources, eval_fraction=0.2):
     cfg = load_config(None, [f"root={root}"])
     cfg.curate.sources, cfg.curate.eval_fraction, cfg.curate.shard_rows = sources, eval_fraction, 8
-    m = curate.run(Store(str(root)), "fp", cfg, {})
+    m = curate.run(Store(str(root)), stamped("curate", "fp", {}), cfg)
     rows = {
         s: [r for sh in m.shards if sh.split == s for r in read_rows(f"{root}/curate/fp/{sh.name}")]
         for s in ("train", "eval")

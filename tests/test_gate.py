@@ -16,7 +16,8 @@ from draftflow.errors import ConfigError
 from draftflow.evaluation.gate import GateError, GateFailed, decide
 from draftflow.promotion import marker_path
 from draftflow.runs.gating import apply_gate, check_gate, raise_if_failed
-from draftflow.stages.common import finalize, fingerprint
+from draftflow.stages.common import finalize
+from draftflow.stages.registry import stamp
 from draftflow.store import Store, shard_entry
 
 REPORT = {"tau": 2.0, "acceptance_rate": [0.5], "accept_histogram": [0, 1, 1], "steps": 2, "tokens": 4, "prompts": 1}
@@ -62,7 +63,7 @@ def test_gate_config_bad_values_are_one_line_and_the_gate_is_in_no_fingerprint(t
     plain = load_config(None, [f"root={tmp_path}"])
     gated = load_config(None, [f"root={tmp_path}", "evaluate.gate.min_tau=3", "evaluate.gate.max_regression=0.1"])
     inputs = {"target": "t", "curate": "c", "train": "x"}
-    assert fingerprint("evaluate", plain, inputs) == fingerprint("evaluate", gated, inputs)
+    assert stamp(plain, "evaluate", inputs).fingerprint == stamp(gated, "evaluate", inputs).fingerprint
 
 
 def test_the_gate_code_is_in_no_stage_code_hash():
@@ -94,15 +95,8 @@ def evaluation(
         Path(tmp).write_text(json.dumps(REPORT | {"tau": tau} | report))
         entry = shard_entry("report.json", tmp, rows=0)
     result = ShardResult(shard=entry, rows_in=0, rows_out=0)
-    manifest = finalize(
-        store,
-        "evaluate",
-        fp,
-        cfg,
-        {"target": target, "curate": curate, "train": "t" * 64},
-        [result],
-        extra={"tau": tau},
-    )
+    handed = stamp(cfg, "evaluate", {"target": target, "curate": curate, "train": "t" * 64})
+    manifest = finalize(store, handed.model_copy(update={"fingerprint": fp}), [result], extra={"tau": tau})
     return _result(manifest)
 
 

@@ -15,6 +15,7 @@ from draftflow.data.sources import BadRow
 from draftflow.errors import SourceError
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import stamped
 from tests.test_data_curation import _cfg, _rows
 
 
@@ -72,7 +73,7 @@ def test_curate_counts_the_torn_tail_and_keeps_it_in_the_rejects(tmp_path):
     path.write_text(torn_array(7))
     sniff_file(str(path))  # an array of objects passes preflight
     src = SourceConfig(name="sharegpt_v3", path=str(path))
-    m = curate.run(Store(str(tmp_path)), "fp", _cfg(tmp_path, sources=[src], eval_fraction=0.0), {})
+    m = curate.run(Store(str(tmp_path)), stamped("curate", "fp", {}), _cfg(tmp_path, sources=[src], eval_fraction=0.0))
     assert m.rows_in == 8 and m.rows_out == 7 and m.dropped == {"truncated_record": 1}
     (reject,) = _rows(tmp_path, m, "rejected")
     assert reject["reason"] == "truncated_record" and "file ends inside it" in reject["detail"]

@@ -15,7 +15,7 @@ from draftflow.errors import ConfigError, DraftflowError
 from draftflow.stages import train as train_stage
 from draftflow.store import Store
 from draftflow.training.launch import TrainingCrashed, use_torchrun
-from tests.conftest import one_shard_features, tiny_config
+from tests.conftest import one_shard_features, stamped, tiny_config
 
 TRAIN = ["train.max_steps=4", "train.batch_size=3", "train.checkpoint_every=2", "train.num_anchors=8"]
 
@@ -30,7 +30,7 @@ def front(tmp_path_factory, tiny_target):
 
 def _train(root, tiny_target, features, fp, *overrides):
     cfg = tiny_config(root, *TRAIN, *overrides)
-    return train_stage.run(Store(cfg.root), fp, cfg, tiny_target, {"extract": "d"}, features)
+    return train_stage.run(Store(cfg.root), stamped("train", fp, {"extract": "d"}), cfg, tiny_target, features)
 
 
 def _weights(root, fp):

@@ -35,7 +35,7 @@ from draftflow.stages import train as train_stage
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
 from draftflow.training.launch import TrainingCrashed
-from tests.conftest import ROOT, moto_s3, one_shard_features, tiny_config
+from tests.conftest import ROOT, moto_s3, one_shard_features, stamped, tiny_config
 
 BUCKET = "draftflow-nodes"
 RUN = f"s3://{BUCKET}/run"
@@ -59,7 +59,7 @@ def cluster(tmp_path_factory, tiny_target):
 
 def _train(tiny_target, features, fp, *overrides):
     cfg = tiny_config(RUN, *TRAIN, *overrides)
-    return train_stage.run(Store(cfg.root), fp, cfg, tiny_target, {"extract": "d"}, features)
+    return train_stage.run(Store(cfg.root), stamped("train", fp, {"extract": "d"}), cfg, tiny_target, features)
 
 
 def _weights(store: Store, fp: str) -> dict[str, torch.Tensor]:

@@ -12,7 +12,8 @@ from draftflow.features import FeatureShard
 from draftflow.runs.plan import preflight
 from draftflow.stages import extract
 from draftflow.stages import train as train_stage
-from draftflow.stages.common import Source, fingerprint, manifest_digest
+from draftflow.stages.common import Source, manifest_digest
+from draftflow.stages.registry import stamp
 from draftflow.training.job import OnlineSamples
 from tests.conftest import run_front, tiny_config
 
@@ -32,8 +33,8 @@ def _online(cfg, store, tok_shard, tiny_target, *overrides):
     tokenized = StageResult(stage="tokenize", fingerprint="tokfp", status="ran", digest="d", path="p",
                             manifest=manifest)
     inputs = {"target": tiny_target.fingerprint, "tokenize": "d"}
-    xfp = fingerprint("extract", cfg, inputs)
-    return cfg, extract.online_manifest(store, xfp, cfg, inputs, tokenized), xfp
+    handed = stamp(cfg, "extract", inputs)
+    return cfg, extract.online_manifest(store, handed, cfg, tokenized), handed.fingerprint
 
 
 def test_online_extract_stores_nothing_and_points_at_the_sequences_it_was_handed(front, tiny_target):
@@ -70,9 +71,10 @@ def test_a_short_online_training_run_writes_a_checkpoint(front, tiny_target):
     cfg, store, tok = front
     ocfg, m, xfp = _online(cfg, store, tok, tiny_target, "train.max_steps=3", "train.checkpoint_every=2")
     inputs = {"target": tiny_target.fingerprint, "extract": manifest_digest(m)}
-    tfp = fingerprint("train", ocfg, inputs)
+    handed = stamp(ocfg, "train", inputs)
+    tfp = handed.fingerprint
     extracted = StageResult(stage="extract", fingerprint=xfp, status="ran", digest="d", path="p", manifest=m)
-    out = train_stage.run(store, tfp, ocfg, tiny_target, inputs, feature_source(extracted))
+    out = train_stage.run(store, handed, ocfg, tiny_target, feature_source(extracted))
     assert out.extra["features"] == "online" and out.extra["metrics"]["steps"] == 3
     assert out.extra["trained_tokens"] == tok.tokens and out.rows_out == tok.rows
     ckpt = store.stage_path("train", tfp, "checkpoint", "model.safetensors")

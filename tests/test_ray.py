@@ -26,13 +26,13 @@ RAY = ["runner.kind=ray", "runner.stages=[curate,regenerate,tokenize,extract]"]
 
 
 def test_runner_section_is_in_no_fingerprint(tmp_path):
-    from draftflow.stages.common import fingerprint
+    from draftflow.stages.registry import stamp
 
     base = tiny_config(tmp_path / "run")
     moved = tiny_config(tmp_path / "run", *RAY, "runner.ray_address=ray://head:10001", "runner.gpus_per_task=2",
                         "runner.max_workers=3")
     for stage in stage_names():
-        assert fingerprint(stage, base, {"x": "1"}) == fingerprint(stage, moved, {"x": "1"})
+        assert stamp(base, stage, {"x": "1"}).fingerprint == stamp(moved, stage, {"x": "1"}).fingerprint
 
 
 def test_ray_without_prefect_ray_installed_says_what_to_install(tmp_path, monkeypatch):

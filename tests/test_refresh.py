@@ -149,7 +149,8 @@ def test_regenerate_copies_what_an_earlier_stage_answered_and_generates_only_new
     stage of the root answered with the same target and settings are copied, and only the rest reach the engine."""
     from draftflow.config import SourceConfig
     from draftflow.stages import curate, regenerate
-    from draftflow.stages.common import Source, finalize, fingerprint, manifest_digest
+    from draftflow.stages.common import Source, finalize, manifest_digest
+    from draftflow.stages.registry import stamp
     from tests.conftest import tiny_config
 
     generated: list[str] = []
@@ -159,12 +160,13 @@ def test_regenerate_copies_what_an_earlier_stage_answered_and_generates_only_new
 
     def regenerate_all(cfg):
         store = Store(cfg.root)
-        cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
+        cm = curate.run(store, stamp(cfg, "curate", {}), cfg)
         inputs = {"curate": manifest_digest(cm)}
-        fp = fingerprint("regenerate", cfg, inputs)
+        handed = stamp(cfg, "regenerate", inputs)
+        fp = handed.fingerprint
         results = [regenerate.run_shard(store, fp, cfg, tiny_target, Source("curate", cm.fingerprint), s)
                    for s in cm.data_shards("train")]
-        finalize(store, "regenerate", fp, cfg, inputs, results)
+        finalize(store, handed, results)
         from draftflow.data.schema import read_rows
 
         return {r["sample_id"]: r for res in results for r in read_rows(store.stage_path("regenerate", fp,

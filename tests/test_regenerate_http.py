@@ -6,7 +6,8 @@ from draftflow.data.schema import read_rows
 from draftflow.engines.hf import HFEngine
 from draftflow.errors import DraftflowError
 from draftflow.stages import curate, regenerate, tokenize
-from draftflow.stages.common import Source, fingerprint
+from draftflow.stages.common import Source
+from draftflow.stages.registry import stamp
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.openai_server import OpenAITestServer
@@ -24,7 +25,7 @@ def test_http_regeneration_feeds_tokenize_through_the_template(tmp_path, tiny_ta
     cfg = tiny_config(tmp_path / "run", "regenerate.engine=openai", f"regenerate.openai.endpoints=['{server.url}']",
                       "regenerate.openai.model=tiny", "regenerate.checkpoint_every=8")
     store = Store(cfg.root)
-    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
+    cm = curate.run(store, stamp(cfg, "curate", {}), cfg)
     shard = [s for s in cm.shards if s.split == "train"][0]
     regenerate.check_engine(cfg, tiny_target)  # reachable: no error
     res = regenerate.run_shard(store, "http", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
@@ -57,7 +58,8 @@ def test_fixed_data_keeps_the_sources_answers_and_generates_nothing(tmp_path, ti
     store, shard, rfp, res, tok = run_front(cfg, tiny_target)
     assert res.rows_in == res.rows_out + sum(res.dropped.values()) == shard.rows
     assert res.rows_out > 0 and set(res.dropped) <= {"no_source_answer"}
-    curated = {r["sample_id"]: r for r in read_rows(store.verify_sha("curate", fingerprint("curate", cfg, {}), shard))}
+    curated_at = stamp(cfg, "curate", {}).fingerprint
+    curated = {r["sample_id"]: r for r in read_rows(store.verify_sha("curate", curated_at, shard))}
     rows = read_rows(store.stage_path("regenerate", rfp, shard.name))
     assert all(r["messages"] == curated[r["sample_id"]]["messages"] for r in rows)  # the source's own answers
     assert all(g["ids"] == [] and g["finish_reason"] == "source" for r in rows for g in r["generated"])

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from draftflow.data.schema import read_rows
 from draftflow.stages import curate, regenerate
-from draftflow.stages.common import Source, fingerprint
+from draftflow.stages.common import Source
+from draftflow.stages.registry import stamp
 from draftflow.store import Store
 from tests.conftest import tiny_config
 from tests.reliability.killable import kill_when_frozen
@@ -40,7 +41,7 @@ def test_sigkill_mid_shard_then_rerun_equals_an_uninterrupted_run(tmp_path, tiny
 
     cfg = tiny_config(tmp_path / "run", "regenerate.checkpoint_every=2")
     store = Store(cfg.root)
-    cm = curate.run(store, fingerprint("curate", cfg, {}), cfg, {})
+    cm = curate.run(store, stamp(cfg, "curate", {}), cfg)
     shard = [s for s in cm.shards if s.split == "train"][0]
     reference = regenerate.run_shard(store, "reference", cfg, tiny_target, Source("curate", cm.fingerprint), shard)
 

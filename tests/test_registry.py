@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from draftflow.config import STAGE_SECTIONS
 from draftflow.errors import ConfigError
 from draftflow.stages.registry import needed, registry, spec, stage_gpus, stage_inputs, stage_names, upstream_of
 from tests.conftest import tiny_config
@@ -14,7 +13,7 @@ def test_the_registry_is_in_dependency_order_with_known_upstreams():
     seen: set[str] = set()
     for s in registry():
         assert set(s.upstream) <= seen, f"{s.name} comes before its upstream {s.upstream}"
-        assert s.sections == STAGE_SECTIONS[s.name]
+        assert isinstance(s.sections, tuple), s.name  # its fingerprint's config sections, on its spec
         seen.add(s.name)
     names = stage_names()
     assert names[0] == "curate" and needed(names[-1]) == list(names)  # the last stage needs every other one
@@ -42,14 +41,15 @@ def test_plan_and_the_curate_flow_compute_the_same_inputs_with_token_bounds(tmp_
     no `curate.tokenizer`, the stage counts with the target's tokenizer, whose fingerprint is an input."""
     from draftflow.runs.plan import plan
     from draftflow.stages import curate
-    from draftflow.stages.common import fingerprint
+    from draftflow.stages.registry import stamp
     from draftflow.store import Store
 
     cfg = tiny_config(tmp_path / "run", "curate.max_prompt_tokens=64")
     inputs = stage_inputs(cfg, "curate", None, {})
     assert inputs["tokenizer"] == tiny_target.fingerprint
-    fp = fingerprint("curate", cfg, inputs)
-    curate.run(Store(cfg.root), fp, cfg, inputs, curate.token_counter(cfg))  # as the curate flow does
+    handed = stamp(cfg, "curate", inputs)
+    fp = handed.fingerprint
+    curate.run(Store(cfg.root), handed, cfg, curate.token_counter(cfg))  # as the curate flow does
     states = {s["stage"]: s for s in plan(cfg, tiny_target)}
     assert states["curate"]["fingerprint"] == fp and states["curate"]["state"] == "complete"
     assert states["regenerate"]["state"] == "to run"
@@ -64,3 +64,23 @@ def test_the_summary_names_each_stage_s_unit_and_keeps_the_export_order():
     assert all(s.unit for s in registry())
     assert [f for f, _ in _in_export_order({"speculators": "b", "vllm": "a", "other": "c"})] == [
         "vllm", "speculators", "other"]
+
+
+def test_the_registry_is_a_value_handed_to_a_run_and_never_changed(tmp_path):
+    """`with_stage` makes another registry; `using` hands it to what runs inside (plan, status, flows, stamps)
+    and the one in use is `REGISTRY` again after; nothing is written into a module."""
+    from draftflow.stages.registry import REGISTRY, StageSpec, stamp, using
+
+    extra = StageSpec("filter", about="a filter", sections=("tokenize",))
+    other = REGISTRY.with_stage(extra, before="tokenize")
+    assert "filter" not in REGISTRY.names() and other.names()[:4] == ("curate", "regenerate", "filter", "tokenize")
+    assert other.spec("tokenize").upstream == ("filter",) and REGISTRY.spec("tokenize").upstream == ("regenerate",)
+    cfg = tiny_config(tmp_path / "run")
+    with using(other):
+        assert stage_names() == other.names() and upstream_of("filter") == ("regenerate",)
+        assert stamp(cfg, "filter", {}).config == {"tokenize": cfg.section("tokenize")}  # its spec's sections
+    assert stage_names() == REGISTRY.names()
+    with pytest.raises(ConfigError, match="no stage 'filter'"):
+        stamp(cfg, "filter", {})
+    with pytest.raises(ConfigError, match=r"stage 'loose': give its StageSpec sections=\(...\)"):
+        StageSpec("loose")

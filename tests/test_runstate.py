@@ -43,15 +43,15 @@ def test_status_shows_shards_done_and_rows_checkpointed_in_an_unfinished_shard(t
     """Regenerate stopped after one of two shards (and a few rows of the second): `1/2 shards`."""
     from draftflow.data.schema import read_rows
     from draftflow.stages import curate, regenerate
-    from draftflow.stages.common import Source, fingerprint, manifest_digest
-    from draftflow.stages.registry import stage_inputs
+    from draftflow.stages.common import Source, manifest_digest
+    from draftflow.stages.registry import stage_inputs, stamp
 
     cfg = tiny_config(tmp_path / "run", "curate.shard_rows=24")  # two train shards
     store = Store(cfg.root)
     inputs = stage_inputs(cfg, "curate", None, {})
-    cm = curate.run(store, fingerprint("curate", cfg, inputs), cfg, inputs)
-    rfp = fingerprint("regenerate", cfg, stage_inputs(cfg, "regenerate", tiny_target.fingerprint,
-                                                      {"curate": manifest_digest(cm)}))
+    cm = curate.run(store, stamp(cfg, "curate", inputs), cfg)
+    rfp = stamp(cfg, "regenerate", stage_inputs(cfg, "regenerate", tiny_target.fingerprint,
+                                                {"curate": manifest_digest(cm)})).fingerprint
     first, second = cm.data_shards("train")[:2]
     res = regenerate.run_shard(store, rfp, cfg, tiny_target, Source.of(cm), first)
     rows = read_rows(store.stage_path("regenerate", rfp, res.shard.name))

@@ -17,6 +17,7 @@ from draftflow.data.schema import read_rows
 from draftflow.engines import Completion, GenRequest, SamplingParams
 from draftflow.stages import curate
 from draftflow.store import Store
+from tests.conftest import stamped
 
 CFG = SelfInstructConfig(count=8, max_new_tokens=64, max_chars=60)
 # SmolLM2's template: ChatML that adds a default system prompt when the conversation has none.
@@ -76,7 +77,7 @@ def test_curate_reads_a_self_instruct_source_as_single_user_turns(tiny_target, t
     inputs, _ = curate.stage_inputs(cfg)  # generates the file: its key is in curate's fingerprint inputs
     path = cfg.curate.sources[0].generated
     assert path and path.endswith(".jsonl") and Path(path).name in curate.source_keys(cfg.curate)["si"]
-    m = curate.run(Store(cfg.root), "fp", cfg, inputs)
+    m = curate.run(Store(cfg.root), stamped("curate", "fp", inputs), cfg)
     rows = [r for s in m.shards for r in read_rows(f"{cfg.root}/curate/fp/{s.name}")]
     assert m.rows_out == len(rows) == 8 and m.extra["sources"]["si"]["kept"] == 8
     assert all(len(r["messages"]) == 1 and r["messages"][0]["role"] == "user" for r in rows)

@@ -18,7 +18,7 @@ import pytest
 from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import TOKENIZED, read_rows
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
-from draftflow.stages.registry import StageSpec, inserted, stage_names
+from draftflow.stages.registry import REGISTRY, StageSpec, stage_names, using
 from draftflow.store import Store
 from draftflow.target import TargetRef
 from tests.conftest import tiny_config
@@ -58,7 +58,7 @@ def test_a_stage_after_tokenize_is_read_by_extract_train_plan_and_status(prefect
 
     cfg = tiny_config(tmp_path / "run", *overrides)
     target = TargetRef(tiny_target.path, tiny_target.fingerprint)
-    with inserted(FEW_SUPERVISED, before="extract"):
+    with using(REGISTRY.with_stage(FEW_SUPERVISED, before="extract")):
         assert stage_names()[2:5] == ("tokenize", STAGE, "extract")
         summary = pipeline(cfg)
         stages = {s["stage"]: s for s in summary["stages"]}

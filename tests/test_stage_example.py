@@ -20,7 +20,7 @@ import pytest
 from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import REGENERATED, read_rows
 from draftflow.stages.common import Source, reject, shard_result, write_parquet, write_rejects
-from draftflow.stages.registry import StageSpec, inserted, stage_names
+from draftflow.stages.registry import REGISTRY, StageSpec, stage_names, using
 from draftflow.store import Store
 from draftflow.target import TargetRef
 from tests.conftest import tiny_config
@@ -50,7 +50,8 @@ SHORT_ANSWERS = StageSpec("short_answers", about="Drop conversations with near-e
 
 def _short_answers_in():
     """Put the stage in for a block, unless the registry has it for good."""
-    return nullcontext() if "short_answers" in stage_names() else inserted(SHORT_ANSWERS, before="tokenize")
+    return nullcontext() if "short_answers" in stage_names() else using(REGISTRY.with_stage(SHORT_ANSWERS,
+                                                                                               before="tokenize"))
 
 
 def test_a_stage_added_through_the_registry_runs_is_planned_and_fingerprinted(prefect_harness, tmp_path,
@@ -94,5 +95,4 @@ def test_a_stage_cannot_be_put_before_one_that_reads_two():
     from draftflow.errors import ConfigError
 
     with pytest.raises(ConfigError, match="evaluate does not read exactly one stage"):
-        with inserted(SHORT_ANSWERS, before="evaluate"):
-            pass
+        REGISTRY.with_stage(SHORT_ANSWERS, before="evaluate")

@@ -9,7 +9,8 @@ from draftflow.engines.dialogs import plan_dialog, split_reasoning
 from draftflow.engines.hf import HFEngine
 from draftflow.features import FeatureShard
 from draftflow.stages import extract
-from draftflow.stages.common import Source, fingerprint
+from draftflow.stages.common import Source
+from draftflow.stages.registry import stamp
 from tests.conftest import run_front
 
 
@@ -39,7 +40,7 @@ def test_batched_generation_equals_one_by_one(tiny_target):
 def test_regenerate_tokenize_supervise_exactly_the_generated_ids(tiny_cfg, tiny_target):
     store, shard, rfp, rres, tres = run_front(tiny_cfg, tiny_target)
     regen = read_rows(store.stage_path("regenerate", rfp, rres.shard.name))
-    src = read_rows(store.stage_path("curate", fingerprint("curate", tiny_cfg, {}), shard.name))
+    src = read_rows(store.stage_path("curate", stamp(tiny_cfg, "curate", {}).fingerprint, shard.name))
     assert len(regen) == len(src) == rres.rows_out
     for r, s in zip(regen, src):
         n_assistant = sum(m["role"] == "assistant" for m in s["messages"])

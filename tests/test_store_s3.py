@@ -38,12 +38,13 @@ def test_atomic_write_manifest_and_checksum_on_s3(s3_root):
 def test_curate_stage_writes_its_shards_to_s3(s3_root):
     from draftflow.config import load_config
     from draftflow.stages import curate
-    from draftflow.stages.common import fingerprint
+    from draftflow.stages.registry import stamp
     from draftflow.store import Store
 
     cfg = load_config("configs/tiny.yaml", [f"root={s3_root}/curate-run"])
     store = Store(cfg.root)
-    fp = fingerprint("curate", cfg, {})
-    manifest = curate.run(store, fp, cfg, {})
+    handed = stamp(cfg, "curate", {})
+    fp = handed.fingerprint
+    manifest = curate.run(store, handed, cfg)
     assert store.read_manifest("curate", fp) == manifest
     assert manifest.rows_in == manifest.rows_out + sum(manifest.dropped.values())

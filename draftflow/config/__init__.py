@@ -1,7 +1,7 @@
 """The run config: one strict pydantic model for a whole run, loaded from YAML.
 
 Each stage owns a small section; a stage's fingerprint hashes only the
-sections it reads (see `STAGE_SECTIONS`), so changing `train.lr` never
+sections it reads (its `StageSpec.sections`, `draftflow.stages.registry`), so changing `train.lr` never
 invalidates curation. Unknown keys are errors that name their dotted path.
 Overrides use the same dotted paths: `--set train.lr=1e-3`.
 """
@@ -213,17 +213,6 @@ class RunConfig(Section):
         return {k: v for k, v in data.items() if f"{head}.{k}" not in NOT_FINGERPRINTED}
 
 
-# What each stage's fingerprint hashes (contract 1): whole sections, or one field
-# by dotted path. Extract depends on the taps only (and on the kind, which chooses the
-# default taps and whether the target's final hidden state is stored), not on the depth.
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "curate": ("curate",),
-    "regenerate": ("target", "regenerate"),
-    "tokenize": ("target", "tokenize"),  # + the kind's minimum supervised tokens (stages.registry)
-    "extract": ("target", "extract", "drafter.kind", "drafter.target_layer_ids", "drafter.num_taps"),
-    "train": ("target", "drafter", "train"),
-    "evaluate": ("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),
-}
 # Fields that choose where or how often work happens, never its result: changing them
 # after a crash must not move the stage to a new folder (and lose its checkpoints).
 NOT_FINGERPRINTED = {"train.device", "train.checkpoint_every", "evaluate.device", "tokenize.num_workers",

@@ -126,7 +126,7 @@ def older_results(store: Store, cfg: RunConfig, stage: str, fp: str | None) -> l
     """Complete results of `stage` under other fingerprints, each with why it is not this run's:
     `code` (draftflow or a library it depends on changed), the config fields that differ
     (dotted), `inputs` (an upstream stage's result differs). Newest code version first."""
-    from draftflow.config import STAGE_SECTIONS
+    from draftflow.stages.registry import spec
 
     found = []
     for path in store.fs.glob(store.stage_path(stage, "*", MANIFEST)):
@@ -143,7 +143,7 @@ def older_results(store: Store, cfg: RunConfig, stage: str, fp: str | None) -> l
                           "code_version": None})
             continue
         why = [] if m.get("code_version") == code_version(stage) else ["code"]
-        for name in STAGE_SECTIONS[stage]:
+        for name in spec(stage).sections:
             now, then = cfg.section(name), m.get("config", {}).get(name)
             if isinstance(now, dict) and isinstance(then, dict):
                 why += [f"{name}.{k}" for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]

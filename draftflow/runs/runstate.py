@@ -23,8 +23,8 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
-from draftflow.stages.common import fingerprint, manifest_digest
-from draftflow.stages.registry import resumes, spec, stage_inputs, stage_names, upstream_of
+from draftflow.stages.common import manifest_digest
+from draftflow.stages.registry import resumes, spec, stage_inputs, stage_names, stamp, upstream_of
 from draftflow.store import Store, default_cache_dir
 
 PARTIAL = "partial"  # in-shard checkpoints of regenerate and extract (`stages.common.SCRATCH`)
@@ -44,7 +44,7 @@ def stage_states(cfg: RunConfig, target_fp: str | None) -> tuple[list[dict[str, 
         if blocked or any(u not in digests for u in ups):
             out.append({"stage": stage, "fingerprint": None, "state": "waits"})
             continue
-        fp = fingerprint(stage, cfg, stage_inputs(cfg, stage, target_fp, digests))
+        fp = stamp(cfg, stage, stage_inputs(cfg, stage, target_fp, digests)).fingerprint
         manifest = store.read_manifest(stage, fp)
         blocked = manifest is None
         out.append({"stage": stage, "fingerprint": fp, "state": "to run" if blocked else "complete"})

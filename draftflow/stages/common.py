@@ -15,8 +15,8 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from draftflow.config import STAGE_SECTIONS, RunConfig
-from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardEntry, ShardResult, StageResult
+from draftflow.config import RunConfig
+from draftflow.contracts import MANIFEST_VERSION, Manifest, ShardEntry, ShardResult, StageResult, Stamp
 from draftflow.data.schema import REJECTED, write_rows
 from draftflow.errors import DraftflowError
 from draftflow.store import Store, code_version, digest, shard_entry, stage_fingerprint
@@ -36,10 +36,11 @@ class Source(NamedTuple):
         return cls(manifest.stage, manifest.fingerprint)
 
 
-def fingerprint(stage: str, cfg: RunConfig, inputs: dict[str, str]) -> str:
-    """The stage fingerprint from its config sections and input digests."""
-    sections = {name: cfg.section(name) for name in STAGE_SECTIONS[stage]}
-    return stage_fingerprint(stage, sections, inputs)
+def stamp(stage: str, sections: tuple[str, ...], cfg: RunConfig, inputs: dict[str, str]) -> Stamp:
+    """The stage's `Stamp`: its fingerprint from the config `sections` it reads (its `StageSpec`'s) and its
+    inputs' digests (contract 1)."""
+    config = {name: cfg.section(name) for name in sections}
+    return Stamp(stage=stage, fingerprint=stage_fingerprint(stage, config, inputs), inputs=inputs, config=config)
 
 
 def shard_key(fingerprint_: str, input_sha: str, shard_name: str) -> str:
@@ -82,15 +83,15 @@ def shard_result(entry: ShardEntry | None, rejected: ShardEntry | None, rows_in:
                        dropped=dict(sorted(dict(dropped).items())), info=info)
 
 
-def finalize(store: Store, stage: str, fp: str, cfg: RunConfig, inputs: dict[str, str],
-             results: list[ShardResult], extra: dict[str, Any] | None = None) -> Manifest:
-    """Sum the shard results, check the accounting and write the manifest (last)."""
+def finalize(store: Store, stamp: Stamp, results: list[ShardResult], extra: dict[str, Any] | None = None) -> Manifest:
+    """Sum the shard results, check the accounting and write the manifest (last) of the stage `stamp` names."""
+    stage, fp = stamp.stage, stamp.fingerprint
     dropped: Counter = Counter()
     for r in results:
         dropped.update(r.dropped)
     manifest = Manifest(  # validated here: the accounting of the whole stage, before anything is written
         version=MANIFEST_VERSION, stage=stage, fingerprint=fp, code_version=code_version(stage),
-        config={name: cfg.section(name) for name in STAGE_SECTIONS[stage]}, inputs=inputs,
+        config=stamp.config, inputs=stamp.inputs,
         shards=tuple(r.shard for r in results if r.shard), rejected=tuple(r.rejected for r in results if r.rejected),
         rows_in=sum(r.rows_in for r in results), rows_out=sum(r.rows_out for r in results),
         dropped=dict(sorted(dropped.items())), tokens=sum(r.shard.tokens for r in results if r.shard),

@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draftflow.config import CurateConfig, RunConfig, SourceConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult, SourcePart
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, SourcePart, Stamp
 from draftflow.data import code_stubs, dedup, stats
 from draftflow.data.decisions import MERGE_REASONS, decide
 from draftflow.data.filters import needs_tokens
@@ -346,9 +346,9 @@ def _write_png(store: Store, fp: str, per_source: dict) -> str | None:
     return PNG
 
 
-def merge(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], scans: list[ShardResult]) -> Manifest:
+def merge(store: Store, stamp: Stamp, cfg: RunConfig, scans: list[ShardResult]) -> Manifest:
     """Decide and write the curated set from the scans' partials; write the manifest (last)."""
-    ccfg = cfg.curate
+    ccfg, fp = cfg.curate, stamp.fingerprint
     scans = sorted(scans, key=lambda s: s.info["part"])
     keys = load_keys(store, fp, ccfg, scans)
     plan_ = decide(ccfg, keys)
@@ -372,15 +372,14 @@ def merge(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], scans: 
     results = [ShardResult(shard=None, rows_in=rows_in, rows_out=int(plan_["keep"].sum()), dropped=dict(dropped))]
     results += [ShardResult(shard=None, rejected=s.rejected, rows_in=0, rows_out=0) for s in scans if s.rejected]
     results += [ShardResult(shard=e, rows_in=0, rows_out=0) for e in entries]
-    manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
+    manifest = finalize(store, stamp, results, extra=extra)
     parts = store.stage_path(STAGE, fp, PARTS)
     if store.exists(parts):
         store.fs.rm(parts, recursive=True)  # scan tasks rebuild a missing partial if they are ever run again
     return manifest
 
 
-def run(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], tokenizer: str | None = None,
-        workers: int = 1) -> Manifest:
+def run(store: Store, stamp: Stamp, cfg: RunConfig, tokenizer: str | None = None, workers: int = 1) -> Manifest:
     """Run curation in this process (scans over `workers` processes); return the manifest.
 
     Args:
@@ -389,11 +388,11 @@ def run(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str], tokenizer
     """
     materialize_sources(cfg)
     check_sources(cfg.curate)
-    parts = plan_parts(cfg.curate)
+    parts, fp = plan_parts(cfg.curate), stamp.fingerprint
     if workers <= 1 or len(parts) == 1:
         scans = [scan_part(store, fp, cfg, p, tokenizer) for p in parts]
     else:
         with ProcessPoolExecutor(min(workers, len(parts)), mp_context=multiprocessing.get_context("spawn")) as pool:
             n = len(parts)
             scans = list(pool.map(_scan_in_child, [store.root] * n, [fp] * n, [cfg] * n, parts, [tokenizer] * n))
-    return merge(store, fp, cfg, inputs, scans)
+    return merge(store, stamp, cfg, scans)

@@ -24,7 +24,7 @@ from typing import Any
 
 from draftflow import progress
 from draftflow.config import EvaluateConfig, RunConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, Stamp
 from draftflow.data.schema import read_rows, template_kwargs
 from draftflow.drafters.registry import drafter_spec, spec_for_architecture
 from draftflow.engines.vllm_serve import ServeJob
@@ -183,8 +183,8 @@ def _drafting(cfg: RunConfig) -> str:
     return drafter_spec(cfg.drafter.kind).drafting(cfg.drafter)
 
 
-def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
-        curated: StageResult, trained: StageResult) -> Manifest:
+def run(store: Store, stamp: Stamp, cfg: RunConfig, target: TargetRef, curated: StageResult,
+        trained: StageResult) -> Manifest:
     """Measure τ on the eval prompts; fail if decoding is not lossless."""
     from draftflow.chat import ChatFormat
     from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
@@ -228,6 +228,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
         stats["vllm"], stats["served"] = serve_exports(store, cfg, target, trained, job, outputs, stats["tau"])
         phases.done("vllm")
     stats["phase_seconds"] = phases.seconds  # where this stage's time went (measured, like `speedup`)
+    fp = stamp.fingerprint
     entries = write_plots(store, fp, stats)
     for name, text in (("report.json", json.dumps(stats, indent=2)), ("report.md", render_report(stats, cfg))):
         with store.writing(store.stage_path(STAGE, fp, name)) as tmp:
@@ -243,7 +244,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
              "ddtree": ddtree_taus(stats["ddtree"]),
              **({"serve_choice": serve_choice_summary(stats["served"]["choice"])}
                 if (stats.get("served") or {}).get("choice") else {})}
-    return finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
+    return finalize(store, stamp, results, extra=extra)
 
 
 def serve_choice_summary(choice: dict[str, Any]) -> dict[str, Any]:

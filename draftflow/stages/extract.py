@@ -32,7 +32,7 @@ import torch
 
 from draftflow import progress
 from draftflow.config import RunConfig
-from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, carry
+from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, Stamp, carry
 from draftflow.data.schema import read_rows
 from draftflow.drafters.taps import feature_ids
 from draftflow.engines.capture import capture_in_batches, make_capture_engine
@@ -189,8 +189,7 @@ def check_online(cfg: RunConfig) -> None:
                           f"{cfg.target.device} but train.device={cfg.train.device}; set them equal")
 
 
-def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str],
-                    tokenized: StageResult) -> Manifest:
+def online_manifest(store: Store, stamp: Stamp, cfg: RunConfig, tokenized: StageResult) -> Manifest:
     """The extract stage in online mode: no feature shard, the tokenize train shards to read instead."""
     check_online(cfg)
     shards = tokenized.manifest.data_shards("train")
@@ -199,4 +198,4 @@ def online_manifest(store: Store, fp: str, cfg: RunConfig, inputs: dict[str, str
     sequences = {"stage": tokenized.stage, "fingerprint": tokenized.fingerprint,
                  "shards": [s.to_json() for s in shards]}
     extra = {"mode": "online", "tokens": tokens, "sequences": sequences}
-    return finalize(store, STAGE, fp, cfg, inputs, [result], extra=carry(tokenized.manifest, extra))
+    return finalize(store, stamp, [result], extra=carry(tokenized.manifest, extra))

@@ -1,6 +1,11 @@
-"""The stages of a run, stated once: one `StageSpec` per stage, in pipeline order.
+"""The stages of a run, stated once: one `StageSpec` per stage, in pipeline order, in a `Registry`.
 
-Whatever walks the stages derives from `REGISTRY`: `plan` and `status` (order,
+`REGISTRY` is built once, here, and never changed; a run with another set of stages (a test's, or a
+user's stage put in with `REGISTRY.with_stage(spec, before=...)`, a new value) is handed it: `pipeline(cfg,
+stages=...)`, `plan(..., stages=...)`, `stage_status(..., stages=...)` run inside `using(stages)`, which
+makes it the registry of that call's context (a context variable: Prefect's task threads inherit it;
+another process, a Ray worker or a deployment's, reads `REGISTRY`). Whatever walks the stages derives from
+the registry in use: `plan` and `status` (order,
 upstream, fingerprint inputs), the pipeline flow and the per-stage deployments (which
 flows run, in order, and what each needs), the runners and the GPU slots (which stages
 use a GPU and how many). A stage's fingerprint inputs are computed by `stage_inputs`
@@ -22,17 +27,15 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from draftflow.codehash import library_versions
-from draftflow.config import STAGE_SECTIONS, RunConfig
-from draftflow.contracts import ShardResult
+from draftflow.config import RunConfig
+from draftflow.contracts import ShardResult, Stamp
 from draftflow.errors import ConfigError
-
-
-def _no_gpus(cfg: RunConfig) -> int:
-    return 0
+from draftflow.stages.common import stamp as stage_stamp
 
 
 def _vllm_group(engine: Callable[[RunConfig], str]) -> Callable[[RunConfig], int]:
@@ -53,22 +56,22 @@ def _in_stage(stage: str, name: str) -> Callable[..., Any]:
     return call
 
 
-def _size(name: str) -> Callable[..., dict[str, Any]]:
-    """The size model `draftflow.stages.estimate.<name>_size` (imported when `plan` first calls it)."""
-    def size(*args: Any) -> dict[str, Any]:
+def _estimate(name: str, model: str) -> Callable[..., Any]:
+    """`draftflow.stages.estimate.<name>_<model>`, the size or time model of a stage (imported when `plan` first
+    calls it)."""
+    def estimated(*args: Any) -> Any:
         from draftflow.stages import estimate
 
-        return getattr(estimate, f"{name}_size")(*args)
-    return size
+        return getattr(estimate, f"{name}_{model}")(*args)
+    return estimated
+
+
+def _size(name: str) -> Callable[..., dict[str, Any]]:
+    return _estimate(name, "size")
 
 
 def _seconds(name: str) -> Callable[..., float | None]:
-    """The time model `draftflow.stages.estimate.<name>_seconds` (imported when `plan` first calls it)."""
-    def seconds(*args: Any) -> float | None:
-        from draftflow.stages import estimate
-
-        return getattr(estimate, f"{name}_seconds")(*args)
-    return seconds
+    return _estimate(name, "seconds")
 
 
 def _compare_with_inputs(cfg: RunConfig) -> dict[str, str]:
@@ -119,14 +122,14 @@ class StageSpec:
             before it in the registry (so a stage put before regenerate, tokenize or extract needs no edit to
             them: they read what they are handed; train still finds tokenize's token counts by that name).
         about: what it does, in one line (its deployment's description).
-        sections: config sections (or dotted fields) in its fingerprint (`config.STAGE_SECTIONS`).
+        sections: config sections (or dotted fields) in its fingerprint, recorded in its manifest (`stamp`);
+            required (`()` for none: its code and inputs are then its fingerprint).
         gpu: "shards" (each shard task holds GPU slots), "stage" (the whole stage holds them) or None.
         gpus: GPUs one unit of work occupies under a config (0 for CPU stages).
         device: `cfg -> the device setting its work runs on` ("auto", "cpu", "cuda:1", "remote" for an
             endpoint) for a `gpu` stage; its task runs are tagged `gpu` or `cpu` from it (`device_tags`).
         split: which upstream shards the stage maps over ("train"; None: all).
         uses_target: whether the target's fingerprint is one of its inputs.
-        sections: config sections (or dotted fields) in its fingerprint; None: `config.STAGE_SECTIONS`.
         run_shard: `(store, fp, cfg, target, source, shard) -> shard result` for a stage with one
             task per input shard (the generic sharded stage flow maps it); None: the stage has a flow
             of its own.
@@ -150,7 +153,7 @@ class StageSpec:
     upstream: tuple[str, ...] | None = None
     about: str = ""
     gpu: str | None = None
-    gpus: Callable[[RunConfig], int] = _no_gpus
+    gpus: Callable[[RunConfig], int] = lambda cfg: 0
     device: Callable[[RunConfig], str] | None = None
     split: str | None = None
     uses_target: bool = True
@@ -169,70 +172,127 @@ class StageSpec:
 
     def __post_init__(self) -> None:
         if self.sections is None:
-            if self.name not in STAGE_SECTIONS:
-                raise ConfigError(f"stage {self.name!r}: give its StageSpec sections=(...), the config fields in its "
-                                  "fingerprint (() for none)")
-            object.__setattr__(self, "sections", STAGE_SECTIONS[self.name])
+            raise ConfigError(f"stage {self.name!r}: give its StageSpec sections=(...), the config fields in its "
+                              "fingerprint (() for none)")
 
 
-def _chained(stages: list[StageSpec]) -> list[StageSpec]:
-    """`stages` with each unset `upstream` set to the stage before it; the config sections of a stage that names
-    its own (a stage `config.STAGE_SECTIONS` does not list) recorded there, where fingerprints read them."""
-    for s in stages:
-        if STAGE_SECTIONS.setdefault(s.name, s.sections) != s.sections:
-            raise ConfigError(f"stage {s.name!r}: its StageSpec sections {s.sections} differ from "
-                              f"config.STAGE_SECTIONS {STAGE_SECTIONS[s.name]}; keep one")
-    return [dataclasses.replace(s, upstream=(stages[i - 1].name,) if i else ()) if s.upstream is None else s
-            for i, s in enumerate(stages)]
+@dataclass(frozen=True)
+class Registry:
+    """The stages of a run, in pipeline order (each after its upstream): a value, never changed in place."""
+
+    stages: tuple[StageSpec, ...]
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for s in self.stages:
+            if s.name in seen or s.upstream is None or not set(s.upstream) <= seen:
+                raise ConfigError(f"stage {s.name!r}: its name is taken, or it reads {s.upstream}, not stages before "
+                                  "it; fix the StageSpec")
+            seen.add(s.name)
+
+    @classmethod
+    def chained(cls, stages: list[StageSpec]) -> Registry:
+        """`stages` with each unset `upstream` set to the stage before it."""
+        return cls(tuple(dataclasses.replace(s, upstream=(stages[i - 1].name,) if i else ()) if s.upstream is None
+                         else s for i, s in enumerate(stages)))
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def spec(self, stage: str) -> StageSpec:
+        """The spec of `stage`; an unknown name is a one-line error listing the known ones."""
+        for s in self.stages:
+            if s.name == stage:
+                return s
+        raise ConfigError(f"no stage {stage!r}; the stages are {', '.join(self.names())}")
+
+    def with_stage(self, new: StageSpec, before: str) -> Registry:
+        """Another registry: `new` between `before` and its upstream (`new` reads what `before` read, and `before`
+        reads `new`'s output). This one is unchanged.
+
+        Raises:
+            ConfigError: `before` is unknown, has other than one upstream, or `new`'s name is taken.
+        """
+        old = self.spec(before)
+        if new.name in self.names() or len(old.upstream) != 1:
+            raise ConfigError(f"cannot put stage {new.name!r} before {before!r}: the name is taken or "
+                              f"{before} does not read exactly one stage")
+        at = self.stages.index(old)
+        put = (dataclasses.replace(new, upstream=old.upstream), dataclasses.replace(old, upstream=(new.name,)))
+        return Registry(self.stages[:at] + put + self.stages[at + 1:])
 
 
 # The stages, in pipeline order: one entry each.
-_REGISTRY: list[StageSpec] = _chained([
-    StageSpec("curate", (), "Curate the sources (CPU).", uses_target=False, size=_size("curate"),
+REGISTRY = Registry.chained([
+    StageSpec("curate", (), "Curate the sources (CPU).", sections=("curate",), uses_target=False, size=_size("curate"),
               seconds=_seconds("curate"), unit="conversations", makes=("conversations",)),
-    StageSpec("regenerate", about="Regenerate the answers with the target.", gpu="shards",
+    StageSpec("regenerate", about="Regenerate the answers with the target.", sections=("target", "regenerate"),
+              gpu="shards",
               gpus=_vllm_group(lambda c: c.regenerate.engine), split="train",
               device=lambda c: "remote" if c.regenerate.engine == "openai" else c.target.device,
               run_shard=_in_stage("regenerate", "run_shard"), check=_in_stage("regenerate", "check_engine"),
               libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
               unit="conversations"),
-    StageSpec("tokenize", about="Tokenize with assistant-only loss masks (CPU).",
+    # + the kind's minimum supervised tokens (`_tokenize_inputs`)
+    StageSpec("tokenize", about="Tokenize with assistant-only loss masks (CPU).", sections=("target", "tokenize"),
               run_shard=_in_stage("tokenize", "run_shard"),
               finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
               more_inputs=_tokenize_inputs, unit="sequences", makes=("sequences", "token_counts")),
-    StageSpec("extract", about="Capture the target's hidden states at the taps.", gpu="shards",
+    # The taps only (and the kind, which chooses the default taps and whether the target's final state is stored),
+    # not the drafter's depth.
+    StageSpec("extract", about="Capture the target's hidden states at the taps.",
+              sections=("target", "extract", "drafter.kind", "drafter.target_layer_ids", "drafter.num_taps"),
+              gpu="shards",
               gpus=_vllm_group(lambda c: c.extract.engine), device=lambda c: c.target.device, split="train",
               run_shard=_in_stage("extract", "run_shard"),
               libraries=TARGET_LIBRARIES, size=_size("extract"), seconds=_seconds("extract"),
               more_inputs=_extract_inputs, unit="sequences", makes=("features",), output_suffix=".safetensors",
               resumes=lambda c: None if c.extract.mode == "online" else "shards"),
-    StageSpec("train", about="Train the drafter.", gpu="stage", gpus=lambda c: c.train.nproc_per_node,
+    StageSpec("train", about="Train the drafter.", sections=("target", "drafter", "train"), gpu="stage",
+              gpus=lambda c: c.train.nproc_per_node,
               device=lambda c: c.train.device,
               libraries=TARGET_LIBRARIES, size=_size("train"), seconds=_seconds("train"), more_inputs=_train_inputs,
               unit="sequences", makes=("drafter",), resumes=lambda c: "steps"),
     StageSpec("evaluate", ("curate", "train"), "Measure the drafter's acceptance length by speculative decoding.",
+              sections=("target", "drafter", "evaluate", "regenerate.enable_thinking", "extract.dtype"),
               gpu="stage", gpus=_vllm_group(lambda c: c.evaluate.engine), device=lambda c: c.evaluate.device,
               libraries=TARGET_LIBRARIES, size=_size("evaluate"), seconds=_seconds("evaluate"),
               more_inputs=_compare_with_inputs, unit="prompts", makes=("evaluation",)),
 ])
+_IN_USE: ContextVar[Registry] = ContextVar("draftflow_registry", default=REGISTRY)
+
+
+@contextmanager
+def using(stages: Registry | None) -> Iterator[Registry]:
+    """Make `stages` the registry of this context for the block (None: leave the one in use)."""
+    if stages is None:
+        yield current()
+        return
+    token = _IN_USE.set(stages)
+    try:
+        yield stages
+    finally:
+        _IN_USE.reset(token)
+
+
+def current() -> Registry:
+    """The registry in use: `REGISTRY`, or what an entry point was handed (`using`)."""
+    return _IN_USE.get()
 
 
 def registry() -> tuple[StageSpec, ...]:
-    """Every stage, in pipeline order (each after its upstream)."""
-    return tuple(_REGISTRY)
+    """Every stage of the registry in use, in pipeline order (each after its upstream)."""
+    return current().stages
 
 
 def stage_names() -> tuple[str, ...]:
-    return tuple(s.name for s in _REGISTRY)
+    return current().names()
 
 
 def spec(stage: str) -> StageSpec:
-    """The spec of `stage`; an unknown name is a one-line error listing the known ones."""
-    for s in _REGISTRY:
-        if s.name == stage:
-            return s
-    raise ConfigError(f"no stage {stage!r}; the stages are {', '.join(stage_names())}")
+    """The spec of `stage` in the registry in use; an unknown name is a one-line error listing the known ones."""
+    return current().spec(stage)
 
 
 def upstream_of(stage: str) -> tuple[str, ...]:
@@ -241,7 +301,7 @@ def upstream_of(stage: str) -> tuple[str, ...]:
 
 def downstream_of(stage: str) -> list[str]:
     """The stages that read `stage`'s manifest."""
-    return [s.name for s in _REGISTRY if stage in s.upstream]
+    return [s.name for s in registry() if stage in s.upstream]
 
 
 def needed(stage: str) -> list[str]:
@@ -254,30 +314,10 @@ def needed(stage: str) -> list[str]:
     return [s for s in stage_names() if s in want]
 
 
-@contextmanager
-def inserted(new: StageSpec, before: str) -> Iterator[StageSpec]:
-    """Put `new` between `before` and its upstream for the duration of the block: `new` reads what
-    `before` read, and `before` reads `new`'s output. Plan, status, fingerprints and the pipeline
-    flow all see it. The registry is restored afterwards.
-
-    Raises:
-        ConfigError: `before` is unknown, has other than one upstream, or `new`'s name is taken.
-    """
-    old = spec(before)
-    if new.name in stage_names() or len(old.upstream) != 1:
-        raise ConfigError(f"cannot put stage {new.name!r} before {before!r}: the name is taken or "
-                          f"{before} does not read exactly one stage")
-    saved, had_sections = list(_REGISTRY), new.name in STAGE_SECTIONS
-    new = dataclasses.replace(new, upstream=old.upstream)
-    STAGE_SECTIONS[new.name] = new.sections
-    at = _REGISTRY.index(old)
-    _REGISTRY[at:at + 1] = [new, dataclasses.replace(old, upstream=(new.name,))]
-    try:
-        yield new
-    finally:
-        _REGISTRY[:] = saved
-        if not had_sections:
-            del STAGE_SECTIONS[new.name]
+def stamp(cfg: RunConfig, stage: str, inputs: dict[str, str]) -> Stamp:
+    """What `stage` is handed to run under `cfg` with these fingerprint inputs: its fingerprint and the config
+    sections its spec names (`stages.common.stamp`)."""
+    return stage_stamp(stage, spec(stage).sections, cfg, inputs)
 
 
 def stage_gpus(cfg: RunConfig, stage: str) -> int:

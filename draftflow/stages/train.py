@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from draftflow.config import RunConfig, VLLMEngineConfig
-from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult
+from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult, Stamp
 from draftflow.drafters.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export_readme import ROOT_PLACEHOLDER, portable_target_name, serve_command, speculative_settings
@@ -58,14 +58,14 @@ def launch_url(store: Store, fp: str) -> str:
     return store.url(store.stage_path(STAGE, fp, "work", "launch"))
 
 
-def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[str, str],
-        features: FeatureSource) -> Manifest:
+def run(store: Store, stamp: Stamp, cfg: RunConfig, target: TargetRef, features: FeatureSource) -> Manifest:
     """Train the drafter on every train feature shard (or online features); return the stage manifest.
 
     In this process (`draftflow.training.job.train_here`), or in torchrun child processes
     (`draftflow.training.launch.use_torchrun`); the manifest is written here, last, only after
     training succeeded.
     """
+    fp = stamp.fingerprint
     out = work_dir(store, fp)
     mirror = checkpoint_mirror(store, fp)
     if mirror:
@@ -90,7 +90,7 @@ def run(store: Store, fp: str, cfg: RunConfig, target: TargetRef, inputs: dict[s
         from draftflow.training.warm import manifest_note, resolve
 
         extra["init_from"] = manifest_note(resolve(cfg.root, cfg.train.init_from), target.fingerprint)
-    manifest = finalize(store, STAGE, fp, cfg, inputs, results, extra=extra)
+    manifest = finalize(store, stamp, results, extra=extra)
     # The stage is complete: its resume copies (checkpoints, the launch folder) are no longer needed.
     if mirror and store.fs.exists(store.stage_path(STAGE, fp, "work")):
         store.fs.rm(store.stage_path(STAGE, fp, "work"), recursive=True)

@@ -23,13 +23,15 @@ from tests.conftest import tiny_config
 
 def main(root: str, fp: str, features: str, *overrides: str) -> int:
     from draftflow.config import TargetConfig
+    from draftflow.contracts import Stamp
     from draftflow.target import resolve_target
 
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s: %(message)s")
     cfg = tiny_config(root, *overrides)
     source = read_feature_source(json.loads(open(features).read()))
     try:
-        done = train.run(Store(root), fp, cfg, resolve_target(TargetConfig()), {"extract": "d"}, source)
+        handed = Stamp(stage="train", fingerprint=fp, inputs={"extract": "d"}, config={})
+        done = train.run(Store(root), handed, cfg, resolve_target(TargetConfig()), source)
     except (DraftflowError, TrainingCrashed) as exc:
         print(f"draftflow: error: {exc}", flush=True)
         return 1

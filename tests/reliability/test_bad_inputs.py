@@ -35,14 +35,14 @@ def prepared(tmp_path_factory, tiny_target):
     """A run root holding the tiny demo's curate stage, a folder for bad files, and the tiny target."""
     from draftflow.config import load_config
     from draftflow.stages import curate
-    from draftflow.stages.common import fingerprint
+    from draftflow.stages.registry import stamp
     from draftflow.store import Store
 
     base = tmp_path_factory.mktemp("bad-inputs")
     root = base / "root"
     cfg = load_config(TINY, [f"root={root}"])
     inputs, tokenizer = curate.stage_inputs(cfg)
-    curate.run(Store(cfg.root), fingerprint("curate", cfg, inputs), cfg, inputs, tokenizer)
+    curate.run(Store(cfg.root), stamp(cfg, "curate", inputs), cfg, tokenizer)
     assert list(root.glob("curate/*/manifest.json"))
     files = base / "files"
     files.mkdir()

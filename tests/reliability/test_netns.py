@@ -33,7 +33,7 @@ from draftflow.config import TrainConfig
 from draftflow.stages import train as train_stage
 from draftflow.store import Store
 from draftflow.training.distributed import torchrun_command
-from tests.conftest import one_shard_features, tiny_config
+from tests.conftest import one_shard_features, stamped, tiny_config
 from tests.reliability.netns import ADDR, Hosts, two_hosts, wait_listening
 from tests.test_multinode import _assert_same_weights, _weights
 
@@ -50,7 +50,7 @@ def prepared(tmp_path_factory, tiny_target):
     root = tmp_path_factory.mktemp("netns") / "run"
     cfg = tiny_config(root, *TRAIN)
     store, features = one_shard_features(cfg, tiny_target)
-    one = train_stage.run(store, "fp-one", cfg, tiny_target, {"extract": "d"}, features)
+    one = train_stage.run(store, stamped("train", "fp-one", {"extract": "d"}), cfg, tiny_target, features)
     assert one.extra["metrics"]["steps"] == 6
     (root.parent / "features.json").write_text(json.dumps(features.model_dump(mode="json")))
     return {"root": root, "features": root.parent / "features.json", "one": _weights(store, "fp-one")}

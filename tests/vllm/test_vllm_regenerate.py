@@ -15,7 +15,8 @@ from draftflow.data.schema import read_rows
 from draftflow.engines import GenRequest, SamplingParams, make_engine
 from draftflow.engines.hf import HFEngine
 from draftflow.stages import curate, regenerate
-from draftflow.stages.common import Source, fingerprint
+from draftflow.stages.common import Source
+from draftflow.stages.registry import stamp
 from draftflow.store import Store
 from tests.conftest import CONVERSATIONS, tiny_config
 from tests.reliability.killable import kill_when_frozen
@@ -82,7 +83,7 @@ def _ids(rows):
 
 def test_sigkill_mid_shard_resumes_to_the_transformers_result(tmp_path, vcfg, tiny_target, vllm_engine):
     store = Store(vcfg.root)
-    cm = curate.run(store, fingerprint("curate", vcfg, {}), vcfg, {})
+    cm = curate.run(store, stamp(vcfg, "curate", {}), vcfg)
     shard = [s for s in cm.shards if s.split == "train"][0]
     (tmp_path / "cfg.json").write_text(vcfg.model_dump_json())
     (tmp_path / "args.json").write_text(json.dumps({
