@@ -193,3 +193,21 @@ def test_the_library_keeps_its_modules_in_packages():
     """At most 20 modules at the top of draftflow/: the rest live in the package of their layer."""
     top = sorted(p.name for p in (ROOT / "draftflow").glob("*.py") if p.name != "__init__.py")
     assert len(top) <= 20, top
+
+
+def _closure(graph: dict[str, set[str]], module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ())
+    return seen
+
+
+def test_the_gate_is_handed_its_evaluation_and_never_reloads_a_config():
+    """The evaluate flow's gate judges the result it is handed (`evalruns.of_result`): its imports reach no run
+    config loader and no status reader (`compare` resolves a config to its evaluation, not the gate)."""
+    reached = _closure(import_graph(), "draftflow.runs.gating")
+    runs = {m for m in reached if m.startswith("draftflow.runs.")}
+    assert runs == {"draftflow.runs.gating", "draftflow.runs.evalruns"}, sorted(runs)  # was 4: + runinfo, runstate

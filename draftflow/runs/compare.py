@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from draftflow.runs.evalruns import Evaluation, resolve
+from draftflow.runs.evalruns import Evaluation, NoEvaluation, evaluate_stage, from_folder, resolve
 
 Figures = dict[str, float | None]
 
@@ -195,6 +195,21 @@ def paper_report(e: Evaluation, evs: list[Evaluation]) -> dict[str, Any] | None:
                  and o.report.get("prompt_set") == e.report.get("prompt_set")), None)
 
 
+def from_config(path: str, overrides: list[str] | None) -> Evaluation:
+    """The evaluation a run config resolves to today (its evaluate fingerprint), which must be complete."""
+    from draftflow.config import load_config
+    from draftflow.runs.runinfo import stage_status
+
+    cfg = load_config(path, overrides)
+    row = next(s for s in stage_status(cfg) if s["stage"] == evaluate_stage())
+    got = from_folder(row["path"]) if row["state"] == "complete" else None
+    if got is None:
+        raise NoEvaluation(f"the evaluate stage of {path} is not complete ({row['state']}); "
+                           f"run `draftflow run {path}` first")
+    got.label = cfg.name
+    return got
+
+
 def compare(runs: list[str], png: str | None = None, lines: bool = False, overrides: list[str] | None = None) -> str:
     """The comparison table of every evaluation the `runs` name (and the PNG at `png`, if given).
 
@@ -203,7 +218,7 @@ def compare(runs: list[str], png: str | None = None, lines: bool = False, overri
     """
     evs: list[Evaluation] = []
     for run in runs:
-        evs += resolve(run, overrides)
+        evs += [from_config(run, overrides)] if run.endswith((".yaml", ".yml")) else resolve(run)
     seen: dict[str, int] = {}
     for e in evs:  # the same label twice (two roots both named `run`): number them
         seen[e.label] = seen.get(e.label, 0) + 1

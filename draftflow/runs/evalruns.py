@@ -23,7 +23,7 @@ import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
-from draftflow.contracts import Manifest
+from draftflow.contracts import Manifest, StageResult
 from draftflow.errors import DraftflowError
 from draftflow.store import MANIFEST, Store, digest
 
@@ -134,7 +134,17 @@ def load(store: Store, fp: str, label: str | None = None) -> Evaluation | None:
     """The evaluation under `evaluate/<fp>` of `store`: with its manifest when the stage is complete
     (its report then checked against its sha256), else from a bare report.json; None when neither."""
     stage = evaluate_stage()
-    manifest = store.read_manifest(stage, fp)
+    return _evaluation(store, stage, fp, store.read_manifest(stage, fp), label)
+
+
+def of_result(store: Store, evaluated: StageResult) -> Evaluation | None:
+    """The evaluation of a complete evaluate stage result, as its flow hands it over: the manifest it carries,
+    its report read (and checked against the manifest) from the folder the result names."""
+    return _evaluation(store, evaluated.stage, evaluated.fingerprint, evaluated.manifest)
+
+
+def _evaluation(store: Store, stage: str, fp: str, manifest: Manifest | None,
+                label: str | None = None) -> Evaluation | None:
     path = store.stage_path(stage, fp, REPORT)
     if manifest is not None:
         entry = next((s for s in manifest.shards if s.name == REPORT), None)
@@ -188,9 +198,10 @@ def _split(url: str) -> tuple[str, str]:
     return head, tail
 
 
-def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
+def resolve(arg: str) -> list[Evaluation]:
     """The evaluations `arg` names: a run root (every evaluation in it), an evaluate folder
-    (`<root>/evaluate/<fingerprint>`), a report.json file, or a run config (the evaluation it resolves to now).
+    (`<root>/evaluate/<fingerprint>`) or a report.json file (a run config: `draftflow.runs.compare`, which
+    resolves it through the config's stages; the gate, run inside the evaluate flow, never loads a config).
 
     Raises:
         NoEvaluation: `arg` is none of these (one line naming it and what to pass).
@@ -199,14 +210,12 @@ def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
 
     import fsspec
 
-    if arg.endswith((".yaml", ".yml")):
-        return [_from_config(arg, overrides)]
     arg = arg if "://" in arg else os.path.abspath(arg)  # labels and folders of relative paths read whole
     fs, base = fsspec.core.url_to_fs(arg)
     base = base.rstrip("/")
     if base.endswith(".json") and fs.isfile(base):
         folder, _ = _split(arg)
-        got = _from_folder(folder)
+        got = from_folder(folder)
         if got is not None and posixpath.basename(base) == REPORT:
             return [got]
         with fs.open(base, "rb") as fh:
@@ -214,7 +223,7 @@ def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
 
             return [Evaluation(arg, folder, json.loads(fh.read()))]
     if fs.isfile(f"{base}/{REPORT}"):
-        got = _from_folder(arg)
+        got = from_folder(arg)
         if got is not None:
             return [got]
     if fs.isdir(f"{base}/{evaluate_stage()}"):
@@ -227,22 +236,7 @@ def resolve(arg: str, overrides: list[str] | None = None) -> list[Evaluation]:
     )
 
 
-def _from_config(path: str, overrides: list[str] | None) -> Evaluation:
-    """The evaluation a run config resolves to today (its evaluate fingerprint), which must be complete."""
-    from draftflow.config import load_config
-    from draftflow.runs.runinfo import stage_status
-
-    cfg = load_config(path, overrides)
-    row = next(s for s in stage_status(cfg) if s["stage"] == evaluate_stage())
-    got = _from_folder(row["path"]) if row["state"] == "complete" else None
-    if got is None:
-        raise NoEvaluation(f"the evaluate stage of {path} is not complete ({row['state']}); "
-                           f"run `draftflow run {path}` first")
-    got.label = cfg.name
-    return got
-
-
-def _from_folder(folder: str) -> Evaluation | None:
+def from_folder(folder: str) -> Evaluation | None:
     """The evaluation in `folder` when it sits at `<root>/evaluate/<fp>` (manifest-checked), else None."""
     parent, fp = _split(folder)
     root, stage = _split(parent)

@@ -31,7 +31,17 @@ from draftflow.contracts import StageResult
 from draftflow.errors import DraftflowError
 from draftflow.evaluation.gate import GateError, GateFailed, decide, failure_line
 from draftflow.promotion import marker_path, record_promotion
-from draftflow.runs.evalruns import GATE, REPORT, Evaluation, eval_set_key, evaluate_stage, in_root, load, resolve
+from draftflow.runs.evalruns import (
+    GATE,
+    REPORT,
+    Evaluation,
+    eval_set_key,
+    evaluate_stage,
+    in_root,
+    load,
+    of_result,
+    resolve,
+)
 from draftflow.store import Store
 
 FINGERPRINT = re.compile(r"^[0-9a-f]{16}$")
@@ -130,7 +140,7 @@ def apply_gate(
     if not gate.active:
         return None
     fp = evaluated.fingerprint
-    this = load(store, fp)
+    this = of_result(store, evaluated)
     if this is None:
         raise GateError(f"evaluate/{fp} has no {REPORT}; re-run the evaluate stage")
     this.eval_set = eval_set_key(store, this.manifest) if this.manifest else None
