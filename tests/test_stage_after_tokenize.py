@@ -59,7 +59,8 @@ def test_a_stage_after_tokenize_is_read_by_extract_train_plan_and_status(prefect
     cfg = tiny_config(tmp_path / "run", *overrides)
     target = TargetRef(tiny_target.path, tiny_target.fingerprint)
     with using(REGISTRY.with_stage(FEW_SUPERVISED, before="extract")):
-        assert stage_names()[2:5] == ("tokenize", STAGE, "extract")
+        names = stage_names()  # right before extract, after tokenize (and any stage a copy has put in between)
+        assert names[names.index(STAGE) + 1] == "extract" and "tokenize" in names[:names.index(STAGE)]
         summary = pipeline(cfg)
         stages = {s["stage"]: s for s in summary["stages"]}
         assert all(s["status"] == "ran" for s in summary["stages"]), summary["stages"]
