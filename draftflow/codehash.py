@@ -11,9 +11,11 @@ runs the target, tokenizers tokenizes, torch computes) are another of its finger
 (`stages.registry.stage_inputs`, shown in its manifest's `inputs.libraries`).
 
 What it cannot read: modules reached by a computed name (importlib with a string). The drafter
-registries load each kind's modules by the kind's name, so `COMPUTED` names the files such a module
-may load, and they count as imported; `tests/test_codehash.py` fails on any other computed import
-(the stage registry's own does not reach any stage's code, see there).
+registries load each kind's modules by the kind's name, and the config loads each kind's own settings
+(`drafters/<kind>/settings.py`, so an edit there re-runs every stage: the config is in every stage's
+code), so `COMPUTED` names the files such a module may load, and they count as imported;
+`tests/test_codehash.py` fails on any other computed import (the stage registry's own does not reach any
+stage's code, see there).
 
 Key trade-off: static imports over-approximate (a module imported for one helper counts
 whole), which errs towards recomputing; never towards a stale result.

@@ -257,15 +257,17 @@ def preempt_training(monkeypatch, at: int) -> Callable[[], None]:
 
 
 def patch_stage(monkeypatch, stage: str, **changes) -> None:
-    """Give `stage`'s registry spec other fields (e.g. a wrapped `run_shard`) until the test ends."""
+    """Give `stage`'s registry spec other fields (e.g. a wrapped `run_shard`) until the test ends: the registry in use
+    becomes one with that spec (the registry is a value: `REGISTRY` itself is not changed). The context variable is
+    swapped for one whose default is it, so Prefect's task threads, which copy the context, see it too."""
     import dataclasses
+    from contextvars import ContextVar
 
     from draftflow.stages import registry
 
-    specs = list(registry.registry())
-    i = [s.name for s in specs].index(stage)
-    specs[i] = dataclasses.replace(specs[i], **changes)
-    monkeypatch.setattr(registry, "_REGISTRY", specs)
+    patched = registry.Registry(tuple(dataclasses.replace(s, **changes) if s.name == stage else s
+                                      for s in registry.current().stages))
+    monkeypatch.setattr(registry, "_IN_USE", ContextVar("draftflow_registry", default=patched))
 
 
 def greedy_samples(target, dcfg, prompts: list[list[int]], new_tokens: int = 19) -> list:

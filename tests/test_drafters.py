@@ -33,7 +33,6 @@ def test_feature_ids_are_resolved_by_one_rule_per_kind():
 @pytest.mark.parametrize("drafter, match", [
     (DrafterConfig(num_taps=5, target_layer_ids=[1, 2, 3]), "has 3 ids but drafter.num_taps is 5"),
     (DrafterConfig(kind="eagle3", target_layer_ids=[1, 2]), "exactly 3 taps"),
-    (DrafterConfig(kind="eagle3", num_layers=2), "exactly one decoder layer"),
     (DrafterConfig(num_layers=2, layer_types=["full_attention"]), "layer_types has 1 entries"),
     (DrafterConfig(num_layers=1, layer_types=["global"]), "unknown"),
     (DrafterConfig(num_layers=1, layer_types=["sliding_attention"]), "sliding_window"),

@@ -87,8 +87,8 @@ def test_taps_follow_vllm_and_specforge_and_bad_settings_are_config_errors(targe
         eagle3_taps([1, 2], 8)
     with pytest.raises(ConfigError, match="strictly increasing"):  # 6 layers: defaults collide
         eagle3_taps(None, 6)
-    with pytest.raises(ConfigError, match="num_layers"):
-        Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=TAPS, num_layers=2), VD)
+    with pytest.raises(ValueError, match="EAGLE-3 has exactly one decoder layer, not 2"):  # its settings' rule
+        DrafterConfig(kind="eagle3", target_layer_ids=TAPS, num_layers=2)
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=TAPS), 321)
 

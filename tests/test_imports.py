@@ -206,8 +206,9 @@ def _closure(graph: dict[str, set[str]], module: str) -> set[str]:
 
 
 def test_the_gate_is_handed_its_evaluation_and_never_reloads_a_config():
-    """The evaluate flow's gate judges the result it is handed (`evalruns.of_result`): its imports reach no run
-    config loader and no status reader (`compare` resolves a config to its evaluation, not the gate)."""
+    """The evaluate flow's gate judges the result it is handed (`evalruns.of_result`): of the run-results modules its
+    imports reach only evalruns, no status reader or plan (`compare` resolves a config to its evaluation, not the
+    gate, which never loads a config: `load_config` is not called on its path)."""
     reached = _closure(import_graph(), "draftflow.runs.gating")
     runs = {m for m in reached if m.startswith("draftflow.runs.")}
     assert runs == {"draftflow.runs.gating", "draftflow.runs.evalruns"}, sorted(runs)  # was 4: + runinfo, runstate

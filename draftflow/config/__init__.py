@@ -23,7 +23,7 @@ from draftflow.config.files import read_yaml
 from draftflow.config.refresh import RefreshConfig
 
 # Re-exported, as the curate section is: the drafter and train sections and their recipes.
-from draftflow.config.train import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig, kept_for_kind  # noqa: F401
+from draftflow.config.train import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig, kept_for_kind, kinds_own_fields  # noqa: F401
 from draftflow.errors import ConfigError
 
 
@@ -208,8 +208,8 @@ class RunConfig(Section):
         """A section (or one field, by dotted path) as JSON data, minus NOT_FINGERPRINTED fields."""
         head, _, field = name.partition(".")
         data = getattr(self, head).model_dump(mode="json")
-        if field:  # a field of the kind's own settings is absent for another kind
-            return data.get(field)
+        if field:  # a field some kind owns (drafter.num_taps) is absent for another kind: None; any other must exist
+            return data.get(field) if head == "drafter" and field in kinds_own_fields() else data[field]
         return {k: v for k, v in data.items() if f"{head}.{k}" not in NOT_FINGERPRINTED}
 
 
@@ -298,11 +298,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         origin = str(path)
         data = read_yaml(Path(path), (), _default_kind)
+    sets = [(text, *parse_override(text)) for text in overrides or []]
+    kinds = [value for _, key, value in sets if key == "drafter.kind"]
+    if kinds and isinstance(data.get("drafter"), dict):  # another kind: the file's fields it has (before any --set)
+        data["drafter"] = kept_for_kind(data["drafter"], kinds[-1])
     keys = {}
-    for text in overrides or []:
-        key, value = parse_override(text)
-        if key == "drafter.kind" and isinstance(data.get("drafter"), dict):
-            data["drafter"] = kept_for_kind(data["drafter"], value)  # the file's fields the new kind has
+    for text, key, value in sets:
         set_dotted(data, key, value)
         keys[key] = text
     return validate_config(data, origin, keys)

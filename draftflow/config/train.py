@@ -9,9 +9,11 @@ recipe. Kept apart from `draftflow.config`, which re-exports both sections, to k
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import logging
+import pkgutil
 from typing import Any, Literal, TypeVar
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
@@ -26,14 +28,14 @@ class DrafterConfig(Section):
     """The drafter's kind and the fields every kind reads; each kind's own fields (DFlash's block and taps,
     EAGLE-3's unroll and draft vocabulary) are written in the same section and belong to the kind: its
     `draftflow/drafters/<kind>/settings.py` declares and validates them (`kind_settings`), so a field another
-    kind owns, or a misspelt one, is a one-line error naming the key. EAGLE-3 always has one decoder layer
-    (`num_layers` must be left unset or 1)."""
+    kind owns, or a misspelt one, is a one-line error naming the key. The depth (`num_layers`) is the kind's too:
+    DFlash's default is 5, EAGLE-3 has exactly one."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    # Assignments are checked by `__setattr__` (the whole section, the kind's rules included), not field by field.
+    model_config = ConfigDict(extra="allow", validate_assignment=False)
 
     kind: str = Field("dflash", description="drafter algorithm: a kind of the drafter registry "
                       "(`draftflow.drafters`: dflash, eagle3), checked at preflight")
-    num_layers: int = Field(5, ge=1)
     target_layer_ids: list[int] | None = Field(
         None, description="taps, draftflow ids (output of decoder layer L); null = the kind's default"
     )
@@ -46,7 +48,6 @@ class DrafterConfig(Section):
     acceptance_loss: bool | None = Field(
         None, description="add the gradient of each block's expected accepted length (LK-style, arXiv 2602.23881): "
         "a slot's loss -log(acceptance) is weighted by the accepted tokens that depend on it")
-
 
     @model_validator(mode="after")
     def _kind_settings(self) -> DrafterConfig:
@@ -68,8 +69,18 @@ class DrafterConfig(Section):
             key = "drafter." + ".".join(str(p) for p in first["loc"])
             raise PydanticCustomError("kind_setting", "invalid value of '{key}': {msg}",
                                       {"key": key, "msg": first["msg"]}) from None
-        self.__pydantic_extra__ = values.model_dump(mode="json")
+        self.__pydantic_extra__ = values.model_dump()
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Assign after the whole section with the new value validates (a field another kind owns, a bad value, a
+        `kind` whose settings the other fields do not fit): a refused assignment leaves the section as it was."""
+        if name.startswith("_"):
+            return super().__setattr__(name, value)
+        checked = type(self).model_validate({**self.model_dump(), name: value})
+        object.__setattr__(self, "__dict__", checked.__dict__)
+        object.__setattr__(self, "__pydantic_extra__", checked.__pydantic_extra__)
+        object.__setattr__(self, "__pydantic_fields_set__", self.__pydantic_fields_set__ | {name})
 
     def own(self, settings: type[S]) -> S:
         """This section's kind-owned fields as the kind's settings model (typed access for its parts)."""
@@ -81,7 +92,8 @@ def kind_settings(kind: str) -> type[Section] | None:
     owns none (`Section`); None: no folder of that name. Imported by the kind's name, as the drafter registry
     imports a kind's spec (`draftflow.codehash.COMPUTED` counts the file in every stage's code hash): the config is
     below the drafters' layer and must not import a kind by a written import."""
-    if not kind.isidentifier() or importlib.util.find_spec(f"draftflow.drafters.{kind}") is None:
+    found = importlib.util.find_spec(f"draftflow.drafters.{kind}") if kind.isidentifier() else None
+    if found is None or found.submodule_search_locations is None:  # a kind is a folder (registry.py is none)
         return None
     try:
         module = importlib.import_module(f"draftflow.drafters.{kind}.settings")
@@ -92,19 +104,33 @@ def kind_settings(kind: str) -> type[Section] | None:
     return module.SETTINGS
 
 
+@functools.cache
+def kinds_own_fields() -> frozenset[str]:
+    """Every field some kind folder's settings declare (a stage fingerprints `drafter.num_taps`, which EAGLE-3 has
+    not: absent there, never misspelt)."""
+    folder = importlib.util.find_spec("draftflow.drafters").submodule_search_locations  # by name, as kind_settings
+    return frozenset(f for m in pkgutil.iter_modules(folder) if m.ispkg
+                     for f in (kind_settings(m.name) or Section).model_fields)
+
+
 def kept_for_kind(section: dict[str, Any], kind: Any) -> dict[str, Any]:
-    """A `drafter` section's fields that `kind` also has (the shared ones and its own), for `--set drafter.kind=K`
-    over a file written for another kind: DFlash's block and taps carry over to a kind that varies DFlash, and
-    never reach EAGLE-3. The fields dropped are logged (a file that names another kind replaces the section)."""
+    """A config file's `drafter` section for `--set drafter.kind=K` over a file written for another kind: the
+    file's kind's own fields are left out unless K varies that kind (one's settings extend the other's) and has
+    them: DFlash's depth, block and taps carry over to `flat`, none of them to EAGLE-3. Every other key stays, so
+    a misspelt one is still an error. The fields left out are logged (a file naming another kind replaces the
+    section)."""
     owned = kind_settings(kind) if isinstance(kind, str) else None
-    if owned is None:
+    before = section.get("kind", DrafterConfig.model_fields["kind"].default)
+    theirs = kind_settings(before) if isinstance(before, str) else None
+    if owned is None or theirs is None:
         return section
-    keep = set(DrafterConfig.model_fields) | set(owned.model_fields)
-    dropped = sorted(k for k in section if k not in keep)
+    related = issubclass(owned, theirs) or issubclass(theirs, owned)
+    keep = set(DrafterConfig.model_fields) | (set(owned.model_fields) if related else set())
+    dropped = sorted(k for k in section if k not in keep and k in theirs.model_fields)
     if dropped:
         logging.getLogger(__name__).info("drafter.kind=%s: the config file's %s left out (not settings of %s)", kind,
                                          ", ".join(f"drafter.{k}" for k in dropped), kind)
-    return {k: v for k, v in section.items() if k in keep}
+    return {k: v for k, v in section.items() if k not in dropped}
 
 
 class TrainConfig(Section):

@@ -1,13 +1,14 @@
 """`draftflow compare RUN...`: τ and predicted speedup of several evaluations side by side.
 
-Each RUN is a run root, an evaluate folder or a report.json (`draftflow.runs.evalruns.resolve`). The
+Each RUN is a run root, an evaluate folder or a report.json (`draftflow.runs.evalruns.resolve`), or a run
+config (`from_config`: the evaluation its stages resolve to now, which loads the config and reads its status). The
 table has one column per evaluation and one row per figure its report.json holds: overall τ,
 predicted speedup, τ per category, τ of each baseline, τ per DDTree budget, and the last gate
 verdict. Reports written before a key existed simply leave that row blank ("-"): every key but
 `tau` is read as optional. `plot` draws τ per category and τ per DDTree budget as one PNG.
 
-What it does not know: Prefect, torch, how the figures were measured (it reads report.json only,
-so it answers in well under a second; matplotlib is imported only for `--png`). Trade-off: the
+What it does not know: Prefect, torch, how the figures were measured (it reads report.json files and, for a
+run config, manifests, so it answers in about a second; matplotlib is imported only for `--png`). Trade-off: the
 rows are the union over the runs, so a run that lacks a figure shows "-" rather than hiding the row.
 """
 

@@ -1,10 +1,10 @@
 """The stages of a run, stated once: one `StageSpec` per stage, in pipeline order, in a `Registry`.
 
 `REGISTRY` is built once, here, and never changed; a run with another set of stages (a test's, or a
-user's stage put in with `REGISTRY.with_stage(spec, before=...)`, a new value) is handed it: `pipeline(cfg,
-stages=...)`, `plan(..., stages=...)`, `stage_status(..., stages=...)` run inside `using(stages)`, which
-makes it the registry of that call's context (a context variable: Prefect's task threads inherit it;
-another process, a Ray worker or a deployment's, reads `REGISTRY`). Whatever walks the stages derives from
+user's stage put in with `REGISTRY.with_stage(spec, before=...)`, a new value) is handed it by running
+the pipeline flow, `plan` or `status` inside `using(stages)`, which makes it the registry of that block's
+context (a context variable: Prefect's task threads inherit it; another process, a Ray worker or a
+deployment's, reads `REGISTRY`). Whatever walks the stages derives from
 the registry in use: `plan` and `status` (order,
 upstream, fingerprint inputs), the pipeline flow and the per-stage deployments (which
 flows run, in order, and what each needs), the runners and the GPU slots (which stages
@@ -233,15 +233,14 @@ REGISTRY = Registry.chained([
               run_shard=_in_stage("regenerate", "run_shard"), check=_in_stage("regenerate", "check_engine"),
               libraries=(*TARGET_LIBRARIES, "tokenizers"), size=_size("regenerate"), seconds=_seconds("regenerate"),
               unit="conversations"),
-    # + the kind's minimum supervised tokens (`_tokenize_inputs`)
-    StageSpec("tokenize", about="Tokenize with assistant-only loss masks (CPU).", sections=("target", "tokenize"),
+    StageSpec("tokenize", about="Tokenize with assistant-only loss masks (CPU).",
+              sections=("target", "tokenize"),  # + the kind's minimum supervised tokens (`_tokenize_inputs`)
               run_shard=_in_stage("tokenize", "run_shard"),
               finish=_in_stage("tokenize", "finish_stage"),
               libraries=("transformers", "tokenizers"), size=_size("tokenize"), seconds=_seconds("tokenize"),
               more_inputs=_tokenize_inputs, unit="sequences", makes=("sequences", "token_counts")),
-    # The taps only (and the kind, which chooses the default taps and whether the target's final state is stored),
-    # not the drafter's depth.
     StageSpec("extract", about="Capture the target's hidden states at the taps.",
+              # the taps and the kind (its default taps, whether the final state is stored), not the drafter's depth
               sections=("target", "extract", "drafter.kind", "drafter.target_layer_ids", "drafter.num_taps"),
               gpu="shards",
               gpus=_vllm_group(lambda c: c.extract.engine), device=lambda c: c.target.device, split="train",

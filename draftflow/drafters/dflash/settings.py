@@ -14,6 +14,7 @@ from draftflow.config.fields import Section
 
 
 class DFlashSettings(Section):
+    num_layers: int = Field(5, ge=1, description="decoder layers (the paper: 5 for Qwen3-8B)")
     block_size: int = Field(16, ge=2, description="slots per draft block (the anchor + block_size - 1 drafts)")
     num_taps: int = Field(5, ge=1, description="target layers fused; null target_layer_ids = the paper's spread")
     mask_token_id: int | None = Field(None, description="null = len(tokenizer)")

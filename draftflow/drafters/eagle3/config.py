@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.eagle3.taps import check_one_layer, eagle3_taps
+from draftflow.drafters.eagle3.taps import eagle3_taps
 from draftflow.errors import ConfigError
 from draftflow.layers import FINAL
 from draftflow.models.blocks import target_dims
@@ -45,9 +45,8 @@ class Eagle3Config:
         """Build from the target's HF config, the run's `drafter` section and the draft vocabulary size.
 
         Raises:
-            ConfigError: bad taps, or `drafter.num_layers` set to anything but 1.
+            ConfigError: bad taps (its one decoder layer is its settings' rule: `eagle3/settings.py`).
         """
-        check_one_layer(drafter)
         n_layers = int(target_config.num_hidden_layers)
         cfg = cls(
             **target_dims(target_config),

@@ -4,16 +4,25 @@ vocabulary). Plain pydantic, loaded by the config by the kind's name (see `draft
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from draftflow.config.fields import Section
 
 
 class Eagle3Settings(Section):
+    num_layers: int = Field(1, description="decoder layers: EAGLE-3 has exactly one")
     draft_vocab_size: int = Field(32000, ge=1, description="the draft vocabulary: the N most frequent supervised "
                                   "tokens (counted by tokenize, chosen by train)")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll steps = drafts per round")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of unroll step i is decay^i")
+
+
+    @field_validator("num_layers")
+    @classmethod
+    def _one_layer(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(f"EAGLE-3 has exactly one decoder layer, not {value}: remove drafter.num_layers or set 1")
+        return value
 
 
 SETTINGS = Eagle3Settings

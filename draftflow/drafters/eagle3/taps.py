@@ -51,17 +51,9 @@ def check_eagle3_count(layer_ids: list[int]) -> None:
         )
 
 
-def check_one_layer(drafter: DrafterConfig) -> None:
-    """EAGLE-3 has exactly one decoder layer: `drafter.num_layers` unset or 1."""
-    if "num_layers" in drafter.model_fields_set and drafter.num_layers != 1:
-        raise ConfigError(f"drafter.kind=eagle3 has exactly one decoder layer but drafter.num_layers is "
-                          f"{drafter.num_layers}; remove it or set 1")
-
-
 def _check(drafter: DrafterConfig) -> None:
     if drafter.target_layer_ids is not None:
         check_eagle3_count(drafter.target_layer_ids)
-    check_one_layer(drafter)
     if drafter.distill_top_k and drafter.distill_top_k > drafter.draft_vocab_size:
         raise ConfigError(f"drafter.distill_top_k={drafter.distill_top_k} is more than EAGLE-3 scores: its soft "
                           f"labels come from the draft vocabulary (drafter.draft_vocab_size={drafter.draft_vocab_size})"
