@@ -165,7 +165,8 @@ class TrainConfig(Section):
         "eval_every); null = the recipe's")
     patience: int | None = Field(None, ge=1, description="stop after this many held-out measurements without a "
                                  "better acceptance; null = train every step")
-    gamma: float | None = Field(None, gt=0.0, description="null = 7/5/4 for B=16/10/8")
+    gamma: float | None = Field(None, gt=0.0, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); null = "
+                                "the recipe's: paper 7/5/4 for B=16/10/8, draftflow 0.5 (the first drafts first)")
     checkpoint_every: int = Field(100, ge=1)
     device: Device = "auto"
     seed: int = 0
