@@ -209,3 +209,25 @@ def test_an_objective_option_a_kind_does_not_take_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^drafter.distill_top_k=64 is more than EAGLE-3 scores"):
         taps.check_drafter(DrafterConfig(kind="eagle3", num_layers=1, draft_vocab_size=32, distill_top_k=64))
     taps.check_drafter(DrafterConfig(acceptance_loss=True, distill_top_k=8))  # both kinds take both
+
+
+def test_measured_slot_weights_follow_the_held_out_reach_and_only_under_the_draftflow_recipe(dcfg):
+    """`train.gamma: measured` (draftflow's recipe): the paper's decay until a held-out measurement, then slot k
+    weighs P(the drafts before it accepted), floored; the paper recipe and a written gamma keep their decay."""
+    from draftflow.drafters.dflash.objective import DFlashObjective, reach_weights, slot_weights
+
+    B = dcfg.block_size
+    acceptance = [0.5, 0.2, 0.0] + [0.0] * (B - 4)
+    want = torch.tensor([0.0, 1.0, 0.5, 0.2] + [0.01] * (B - 4))
+    assert torch.allclose(reach_weights(acceptance, B), want)
+    ours = DFlashObjective(dcfg, tcfg())
+    assert ours.measured and torch.equal(ours.weights, slot_weights(B, ours.gamma))  # before any measurement
+    ours.reweight(acceptance)
+    assert torch.allclose(ours.weights, want)
+    for kept in (DFlashObjective(dcfg, tcfg(recipe="paper")), DFlashObjective(dcfg, tcfg(gamma=2.0))):
+        before = kept.weights.clone()
+        kept.reweight(acceptance)
+        assert torch.equal(kept.weights, before) and not kept.measured
+    assert DFlashObjective(dcfg, tcfg(recipe="paper", gamma="measured")).measured
+    with pytest.raises(ValueError, match="train.gamma must be > 0"):
+        tcfg(gamma=0.0)

@@ -165,8 +165,10 @@ class TrainConfig(Section):
         "eval_every); null = the recipe's")
     patience: int | None = Field(None, ge=1, description="stop after this many held-out measurements without a "
                                  "better acceptance; null = train every step")
-    gamma: float | None = Field(None, gt=0.0, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); null = "
-                                "the recipe's: paper 7/5/4 for B=16/10/8, draftflow 0.5 (the first drafts first)")
+    gamma: float | Literal["measured"] | None = Field(
+        None, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); measured: the probability that decoding "
+        "reaches slot k, from each held-out measurement (the paper's decay before the first); null = the recipe's: "
+        "paper 7/5/4 for B=16/10/8, draftflow measured")
     checkpoint_every: int = Field(100, ge=1)
     device: Device = "auto"
     seed: int = 0
@@ -199,6 +201,8 @@ class TrainConfig(Section):
         if self.eval_every == "off" and (self.keep == "best" or self.patience):
             raise ValueError("keep: best and patience need held-out measurements: set train.eval_every (or "
                              "leave it null under recipe draftflow)")
+        if isinstance(self.gamma, float) and self.gamma <= 0:
+            raise ValueError("train.gamma must be > 0, measured or null")
         if isinstance(self.eval_every, int) and self.eval_every < 1:
             raise ValueError("train.eval_every must be a step count >= 1, auto or off")
         return self

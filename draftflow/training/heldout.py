@@ -146,6 +146,7 @@ def after_measurement_step(run: Any, state: dict) -> None:
     stop when `train.patience` runs out."""
     m = measure(run.drafter, run.objective, run.heldout_set, run.device, run.env, run.objective.n_slots)
     state["heldout"].append({"step": state["step"], **m})
+    reweight(run.objective, state["heldout"])
     best = state["best"]
     if m["tau"] is not None and (best is None or m["tau"] > best["tau"]):
         state["best"], state["since_best"] = {"step": state["step"], "tau": m["tau"]}, 0
@@ -166,6 +167,14 @@ def after_measurement_step(run: Any, state: dict) -> None:
                     state["step"], run.tcfg.patience)
     if run.hooks.on_heldout is not None and run.env.is_main:
         run.hooks.on_heldout(list(state["heldout"]))
+
+
+def reweight(objective: Any, history: list[dict]) -> None:
+    """Hand the newest held-out acceptance to an objective that weighs its slots by it (`reweight`; DFlash under
+    `train.gamma: measured`); also on resume, from the history the checkpoint holds, so it equals a run never
+    stopped."""
+    if history and hasattr(objective, "reweight") and history[-1].get("blocks"):
+        objective.reweight(history[-1]["acceptance"])
 
 
 def run_metrics(run: Any, state: dict) -> dict:

@@ -16,10 +16,21 @@ from draftflow.features import FeatureSample
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# draftflow's recipe: most of the weight on the first drafts, the ones decoding accepts (at tau ~1.2-1.3 slot 1 holds
-# ~90% of the accepted drafts). Held-out tau on SmolLM2's rehearsal features, 300 steps, layers from the target
-# (docs/results.md "Recipes"): gamma 4 (the paper's for B = 8) 1.213, 2: 1.238, 1: 1.283, 0.5: 1.314, 0.25: 1.292.
-DRAFTFLOW_GAMMA = 0.5
+# draftflow's recipe (`train.gamma: measured`): slot k weighs the measured probability that decoding reaches it,
+# P(the drafts before it accepted), from each held-out measurement. The paper's fixed decay spreads the loss over
+# every slot; at tau ~1.2-1.3 slot 1 holds ~90% of the accepted drafts. On SmolLM2's rehearsal features, 300
+# steps, layers from the target, held-out tau (docs/results.md "Recipes"): fixed gamma 4 (the paper's for B = 8)
+# 1.213, 2: 1.238, 1: 1.283, 0.5: 1.314, 0.25: 1.292; the measured weights find that regime's ~0.5-0.8 themselves
+# and spread out again as acceptance grows (at tau 6 the reach falls about as the paper's gamma 7 does).
+REACH_FLOOR = 0.01  # a slot decoding rarely reaches still learns a little (its reach can then grow)
+
+
+def reach_weights(acceptance: list[float], block_size: int) -> torch.Tensor:
+    """(B,) loss weights from held-out acceptance (`acceptance[k-1]` = P(at least k drafts accepted)): 0 for slot
+    0, P(at least k-1 accepted) for slot k >= 1 (1 for slot 1), at least `REACH_FLOOR`."""
+    reach = [1.0, *acceptance][: block_size - 1]
+    reach += [0.0] * (block_size - 1 - len(reach))
+    return torch.tensor([0.0] + [max(r, REACH_FLOOR) for r in reach], dtype=torch.float32)
 
 
 def default_gamma(block_size: int) -> float:
@@ -88,8 +99,9 @@ class DFlashObjective:
 
     def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig, drafter: DrafterConfig | None = None):
         self.cfg, self.tcfg, self.B = cfg, tcfg, cfg.block_size
-        paper = default_gamma(cfg.block_size) if tcfg.recipe == "paper" else DRAFTFLOW_GAMMA
-        self.gamma = tcfg.gamma or paper
+        # `measured` (draftflow's recipe): the paper's decay until the first held-out measurement, then `reweight`
+        self.measured = tcfg.gamma == "measured" or (tcfg.gamma is None and tcfg.recipe != "paper")
+        self.gamma = tcfg.gamma if isinstance(tcfg.gamma, float) else default_gamma(cfg.block_size)
         self.weights = slot_weights(cfg.block_size, self.gamma)
         self.n_slots = cfg.block_size - 1
         self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)
@@ -114,6 +126,12 @@ class DFlashObjective:
             b.vocab, b.vocab_bias = sampled_vocab(b.labels, self.loss_tokens, self.cfg.vocab_size,
                                                   self.tcfg.sampled_softmax, gen)
         return b
+
+    def reweight(self, acceptance: list[float]) -> None:
+        """After a held-out measurement (the training loop calls it, and again on resume from the history): under
+        `train.gamma: measured`, slot k weighs the measured probability that decoding reaches it."""
+        if self.measured:
+            self.weights = reach_weights(acceptance, self.B)
 
     def heldout_batch(self, sample: FeatureSample, j: int) -> BlockBatch | None:
         """Blocks of a held-out sequence at fixed anchors, scored over the whole vocabulary (as decoding is)."""
