@@ -73,11 +73,13 @@ def test_the_registry_is_a_value_handed_to_a_run_and_never_changed(tmp_path):
 
     extra = StageSpec("filter", about="a filter", sections=("tokenize",))
     other = REGISTRY.with_stage(extra, before="tokenize")
-    assert "filter" not in REGISTRY.names() and other.names()[:4] == ("curate", "regenerate", "filter", "tokenize")
-    assert other.spec("tokenize").upstream == ("filter",) and REGISTRY.spec("tokenize").upstream == ("regenerate",)
+    was = REGISTRY.spec("tokenize").upstream  # ("regenerate",), or a stage a copy of the repository put in between
+    names = other.names()
+    assert "filter" not in REGISTRY.names() and names[names.index("filter") + 1] == "tokenize"
+    assert other.spec("tokenize").upstream == ("filter",) and REGISTRY.spec("tokenize").upstream == was
     cfg = tiny_config(tmp_path / "run")
     with using(other):
-        assert stage_names() == other.names() and upstream_of("filter") == ("regenerate",)
+        assert stage_names() == other.names() and upstream_of("filter") == was
         assert stamp(cfg, "filter", {}).config == {"tokenize": cfg.section("tokenize")}  # its spec's sections
     assert stage_names() == REGISTRY.names()
     with pytest.raises(ConfigError, match="no stage 'filter'"):
