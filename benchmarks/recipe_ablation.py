@@ -9,7 +9,8 @@ steps it ran and its wall time, with the ratio to the paper recipe measured in t
     python -m benchmarks.recipe_ablation configs/smollm2.yaml [--set train.max_steps=300 ...] [--kinds dflash]
 
 Variants: paper (the papers' recipe exactly), +init (the target's last layers as the start), +distill (soft
-labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations. Every variant runs
+labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations, and DFlash's slot
+weights (`train.gamma`: a fixed 0.5, or measured: draftflow's recipe). Every variant runs
 the same steps; its wall time is printed beside it (soft labels add one LM-head pass a step). A measurement, not
 a test: the figures are this
 machine's, and docs/results.md "Recipes" records a dated run.
@@ -32,6 +33,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "+init +acceptance": {"recipe": "paper", "init_from_target": True, "acceptance_loss": True},
     "+init +distill +acceptance": {"recipe": "paper", "init_from_target": True, "distill_top_k": 8,
                                    "acceptance_loss": True},
+    # DFlash's slot weights (`train.gamma`): a fixed decay, or the measured reach (draftflow's recipe)
+    "+init gamma 0.5": {"recipe": "paper", "init_from_target": True, "gamma": 0.5},
+    "+init gamma measured": {"recipe": "paper", "init_from_target": True, "gamma": "measured"},
 }
 
 
@@ -45,7 +49,7 @@ def variant_config(cfg, options: dict[str, Any]):
     data = cfg.model_dump(mode="json")
     data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | drafter
     every = data["train"]["eval_every"]
-    data["train"] |= {"init_from_target": None} | train | {
+    data["train"] |= {"init_from_target": None, "gamma": None} | train | {
         "eval_every": every if isinstance(every, int) else "auto", "keep": "last"}
     return RunConfig.model_validate(data)
 
