@@ -116,12 +116,12 @@ def test_patience_stops_early_and_keeps_the_best(tmp_path, monkeypatch, target, 
 
 def test_resume_keeps_the_history_and_the_best_so_far(tmp_path, monkeypatch, target, dcfg, samples):
     data = taps_only(samples)
-    full = train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2), str(tmp_path / "a"))
+    full = train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2, gamma="measured"), str(tmp_path / "a"))
     restore = preempt_training(monkeypatch, at=8)  # dies in step 8, after the step-5 checkpoint (history to 4)
     with pytest.raises(RuntimeError, match="preempted"):
-        train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2), str(tmp_path / "b"))
+        train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2, gamma="measured"), str(tmp_path / "b"))
     restore()
-    resumed = train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2), str(tmp_path / "b"))
+    resumed = train_drafter(data, target, dcfg, tcfg(keep="best", lr=2e-2, gamma="measured"), str(tmp_path / "b"))
     assert resumed["heldout"] == full["heldout"] and resumed["kept_step"] == full["kept_step"]
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -211,20 +211,21 @@ def test_an_objective_option_a_kind_does_not_take_is_one_line(monkeypatch):
     taps.check_drafter(DrafterConfig(acceptance_loss=True, distill_top_k=8))  # both kinds take both
 
 
-def test_measured_slot_weights_follow_the_held_out_reach_and_only_under_the_draftflow_recipe(dcfg):
-    """`train.gamma: measured` (draftflow's recipe): the paper's decay until a held-out measurement, then slot k
-    weighs P(the drafts before it accepted), floored; the paper recipe and a written gamma keep their decay."""
+def test_measured_slot_weights_follow_the_held_out_reach_and_only_when_asked(dcfg):
+    """`train.gamma: measured`: the paper's decay until a held-out measurement, then slot k weighs P(the drafts before
+    it accepted), floored; left null, or a written gamma, keeps a fixed decay."""
     from draftflow.drafters.dflash.objective import DFlashObjective, reach_weights, slot_weights
 
     B = dcfg.block_size
     acceptance = [0.5, 0.2, 0.0] + [0.0] * (B - 4)
     want = torch.tensor([0.0, 1.0, 0.5, 0.2] + [0.01] * (B - 4))
     assert torch.allclose(reach_weights(acceptance, B), want)
-    ours = DFlashObjective(dcfg, tcfg())
+    ours = DFlashObjective(dcfg, tcfg(gamma="measured"))
     assert ours.measured and torch.equal(ours.weights, slot_weights(B, ours.gamma))  # before any measurement
     ours.reweight(acceptance)
     assert torch.allclose(ours.weights, want)
-    for kept in (DFlashObjective(dcfg, tcfg(recipe="paper")), DFlashObjective(dcfg, tcfg(gamma=2.0))):
+    for kept in (DFlashObjective(dcfg, tcfg()), DFlashObjective(dcfg, tcfg(recipe="paper")),
+                 DFlashObjective(dcfg, tcfg(gamma=2.0))):
         before = kept.weights.clone()
         kept.reweight(acceptance)
         assert torch.equal(kept.weights, before) and not kept.measured

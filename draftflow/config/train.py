@@ -167,8 +167,8 @@ class TrainConfig(Section):
                                  "better acceptance; null = train every step")
     gamma: float | Literal["measured"] | None = Field(
         None, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); measured: the probability that decoding "
-        "reaches slot k, from each held-out measurement (the paper's decay before the first); null = the recipe's: "
-        "paper 7/5/4 for B=16/10/8, draftflow measured")
+        "reaches slot k, from each held-out measurement (the paper's decay before the first; needs eval_every); "
+        "null = the paper's 7/5/4 for B=16/10/8")
     checkpoint_every: int = Field(100, ge=1)
     device: Device = "auto"
     seed: int = 0
