@@ -35,6 +35,19 @@ def test_sharegpt_roles_system_column_and_unknown_role():
     assert rows[3] == "unknown_role"
 
 
+def test_sharegpt_parts_that_open_with_an_answer_lose_it_and_a_chat_of_answers_only_is_rejected():
+    """ShareGPT V3 splits long chats; a part that starts mid-chat opens with a `gpt` turn (39% of its records)."""
+    from draftflow.data.sources import from_sharegpt
+
+    part = {"system": "Be brief.", "conversations": [{"from": "gpt", "value": "...and so on."},
+            {"from": "human", "value": "Go on."}, {"from": "gpt", "value": "Done."}]}
+    assert [(m["role"], m["content"]) for m in from_sharegpt(part)] == [
+        ("system", "Be brief."), ("user", "Go on."), ("assistant", "Done.")]
+    with pytest.raises(BadRow) as bad:
+        from_sharegpt({"conversations": [{"from": "gpt", "value": "An answer to nothing."}]})
+    assert bad.value.reason == "no_user_turn"
+
+
 def test_openai_tool_calls_reasoning_tools_and_content_parts():
     rows = convert("openai_tools.jsonl")
     messages, tools = rows[0]

@@ -117,17 +117,29 @@ def first_run(server, config_file):
     return proc
 
 
+def _every(read, **filters) -> list:
+    """Every row a Prefect read matches. The server answers at most 200 a call (its default limit), in id order, and
+    ids are random: once the module's runs had written more than 200 artifacts, an unpaged read returned a chance
+    subset, and a three-refresh run in CI missed its own history."""
+    out: list = []
+    while batch := read(offset=len(out), limit=200, **filters):
+        out.extend(batch)
+        if len(batch) < 200:
+            break
+    return out
+
+
 def _runs_by_flow(client) -> dict[str, list]:
-    flows = {f.id: f.name for f in client.read_flows()}
+    flows = {f.id: f.name for f in _every(client.read_flows)}
     out: dict[str, list] = {}
-    for run in client.read_flow_runs():
+    for run in _every(client.read_flow_runs):
         out.setdefault(flows[run.flow_id], []).append(run)
     return out
 
 
 def _artifacts(client) -> dict[str, list]:
     out: dict[str, list] = {}
-    for a in client.read_artifacts():
+    for a in _every(client.read_artifacts):
         out.setdefault(a.key, []).append(a)
     return out
 
@@ -160,17 +172,16 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
         # A CPU-only run: its GPU stages' task runs say so (Ray asks for GPUs by the tag)
         assert tags == {"regenerate": {"cpu"}, "extract": {"cpu"}, "train": {"cpu"}, "evaluate": {"cpu"}}, tags
 
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[pipeline_run.id])))
+        logs = _logs_of(client, pipeline_run.id)
         said = [entry.message for entry in logs]  # the pipeline run's own logs: every stage's summary and τ
         for stage in STAGES:
             assert any(m.startswith(f"{stage} ran: ") for m in said), said
         assert any(m.startswith("mean acceptance length tau = ") for m in said), said
-        arts = _artifacts(client)
         cfg = tiny_config(tmp / "run", f"name={NAME}")  # the run's: the name and a hash of its root (one per root)
         KEY = run_key(cfg)  # noqa: N806
         assert KEY.startswith(f"{NAME}-") and KEY != run_key(cfg.model_copy(update={"root": "elsewhere"}))
+        arts = _artifacts(client)
         for stage in STAGES:
             (counts,) = arts[f"{KEY}-{stage}-counts"]
             assert counts.type == "table" and counts.flow_run_id == runs[stage][0].id
@@ -230,13 +241,14 @@ def test_rerun_after_losing_a_manifest_takes_shards_from_the_cache(server, first
 def _logs_of(client, flow_run_id) -> list:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    return client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200)
+    return _every(client.read_logs, log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
 
 
 def _task_runs_of(client, flow_run_id) -> list:
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
-    return client.read_task_runs(task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
+    return _every(client.read_task_runs,
+                  task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])))
 
 
 def _run_deployments(url: str, env: dict, pool: str, runs: list[tuple[str, dict, dict]]) -> list:
@@ -296,7 +308,7 @@ def test_deployments_from_the_yaml_run_on_process_workers_under_the_gpu_limit(se
     assert list(root.glob("regenerate/*/manifest.json"))
     assert missing.state.name == "Failed" and "no-such-limit" in missing.state.message
     with _client(url) as client:  # the slot is taken in the regenerate subflow of that run
-        subflow = _eventually(lambda: [r for r in client.read_flow_runs() if r.parent_task_run_id is not None and
+        subflow = _eventually(lambda: [r for r in _every(client.read_flow_runs) if r.parent_task_run_id is not None and
                                        client.read_task_run(r.parent_task_run_id).flow_run_id == regen.id])
         assert subflow
         logs = _eventually(lambda: [g.message for g in _logs_of(client, subflow[0].id)
@@ -376,8 +388,9 @@ def test_three_refreshes_through_the_refresh_deployment_on_a_process_worker(serv
     with _client(url) as client:
         assert _eventually(lambda: any("no new traffic under" in g.message for g in _logs_of(client, run.id)))
         key = f"{run_key(load_config(str(config)))}-refreshes"
-        docs = _eventually(lambda: _artifacts(client).get(key, []) if len(_artifacts(client).get(key, [])) >= 3
-                           else None)
+        docs = _eventually(lambda: [d for d in [_artifacts(client).get(key, [])] if len(d) >= 3])
+        assert docs, f"fewer than 3 versions of the artifact {key}"
+        docs = docs[0]
         latest = max(docs, key=lambda a: a.created).data
         assert "candidate" in latest and "| 3 |" in latest and "| 4 |" not in latest
 
@@ -438,7 +451,7 @@ def test_cancelling_a_deployment_run_from_prefect_stops_it_on_its_worker_and_sho
                     client.read_flow_run(run_id).state
                 logs = _eventually(lambda: [g for g in _logs_of(client, run_id) if g.message == state.message])
                 assert logs
-                nested = [r for r in client.read_flow_runs() if r.name != client.read_flow_run(run_id).name
+                nested = [r for r in _every(client.read_flow_runs) if r.name != client.read_flow_run(run_id).name
                           and r.state.name not in ("Completed", "Cancelled")
                           and str(r.parameters.get("cfg", {}).get("root", "")) == str(root)]
                 assert not nested, [(r.name, r.state.name) for r in nested]
