@@ -63,11 +63,15 @@ def _pages(api: str) -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: api}), get_client(sync_client=True) as client:
-        history = [a for a in client.read_artifacts() if (a.key or "").endswith("-refreshes")]
-        flows = {f.id: f.name for f in client.read_flows()}
-        runs = [r for r in client.read_flow_runs() if flows[r.flow_id] == "draftflow-refresh"]
-        last_doc = max(history, key=lambda a: a.created)
-        last_run = max(runs, key=lambda r: r.created)
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName
+        from prefect.client.schemas.sorting import ArtifactSort, FlowRunSort
+
+        # Filtered and sorted by the server: an unfiltered read is its first 200 rows in random id order
+        history = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_="-refreshes")),
+                                        sort=ArtifactSort.CREATED_DESC, limit=1)
+        runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["draftflow-refresh"])),
+                                     sort=FlowRunSort.START_TIME_DESC, limit=1)
+        (last_doc,), (last_run,) = history, runs
     return {"ui-refreshes-artifact": f"/artifacts/artifact/{last_doc.id}",
             "ui-refresh-run": f"/runs/flow-run/{last_run.id}"}
 
