@@ -45,7 +45,8 @@ from tasks.stage_tasks import prepare_target
 
 def candidate_config(cfg: RunConfig, store: Store, batch: Batch, warm: bool) -> RunConfig:
     """The run config of a refresh on `batch`: the batch's sources added, the held-out category evaluated, and (with
-    a promoted drafter) train warm-started from it for `refresh.warm_steps` of its steps."""
+    a promoted drafter) train warm-started from it for `refresh.warm_steps` of its steps at `refresh.warm_lr` of its
+    learning rate."""
     data = cfg.model_dump(mode="json", exclude_unset=False)
     data["curate"]["sources"] = [*data["curate"]["sources"], *sources_for(store, batch, cfg.refresh.category)]
     categories = data["evaluate"].get("categories")
@@ -55,6 +56,8 @@ def candidate_config(cfg: RunConfig, store: Store, batch: Batch, warm: bool) -> 
         data["train"]["init_from"] = "promoted"
         if cfg.refresh.warm_steps is not None:
             data["train"]["max_steps"] = max(1, math.ceil(cfg.train.max_steps * cfg.refresh.warm_steps))
+        if cfg.refresh.warm_lr is not None:
+            data["train"]["lr"] = cfg.train.lr * cfg.refresh.warm_lr
     data["evaluate"]["gate"] = {}  # applied by the refresh itself, against the promoted drafter (`_gated`)
     return validate_config(data, f"refresh batch {batch.n}")
 

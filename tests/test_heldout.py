@@ -127,10 +127,42 @@ def test_resume_keeps_the_history_and_the_best_so_far(tmp_path, monkeypatch, tar
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_warm_start_is_measured_before_its_first_step_and_kept_when_training_only_hurts(tmp_path, target, dcfg,
+                                                                                          samples):
+    """A refresh warm-started under `measured` weights trained its first steps by the paper's decay, then jumped, and
+    exported a drafter worse than the one it started from. Measured at step 0: the weights start from what the
+    start accepts, and a run that never beats its start (here a learning rate that wrecks it) keeps the start."""
+    from draftflow.drafters.dflash.export import export_vllm_dflash
+    from draftflow.training import warm
+    from draftflow.training.loop import Start
+
+    data = taps_only(samples)
+    cold = train_drafter(data, target, dcfg, tcfg(max_steps=40, keep="last"), str(tmp_path / "cold"))
+    export = export_vllm_dflash(tmp_path / "cold", tmp_path / "cold" / "export", target.config)
+    init = warm.resolve(str(tmp_path), str(export))
+
+    def warm_start(out: str, **kw):
+        return train_drafter(data, target, dcfg, tcfg(keep="best", **kw), str(tmp_path / out),
+                             start=Start(init=(init, warm.load(init, target))))
+
+    wrecked = warm_start("wrecked", lr=5.0, max_steps=6, gamma="measured")
+    first = wrecked["heldout"][0]
+    assert first["step"] == 0 and first["tau"] == pytest.approx(cold["heldout"][-1]["tau"])  # the start, measured
+    assert wrecked["kept_step"] == 0 and max(h["tau"] for h in wrecked["heldout"][1:]) < first["tau"]
+    kept, start = load_file(str(tmp_path / "wrecked" / "model.safetensors")), load_file(str(tmp_path / "cold" /
+                                                                                            "model.safetensors"))
+    assert kept.keys() == start.keys() and all(torch.equal(kept[k], start[k]) for k in kept)
+    # The first step is already weighed by the start's measured reach, not by the paper's decay.
+    paper = warm_start("paper", max_steps=1, gamma=4.0)
+    measured = warm_start("measured", max_steps=1, gamma="measured")
+    assert measured["first_loss"] != pytest.approx(paper["first_loss"], rel=1e-6)
+
+
 def test_recipes_fill_what_is_left_unset():
     paper, ours = TrainConfig(recipe="paper"), TrainConfig()
     assert (paper.init_from_target, paper.eval_every, paper.keep) == (False, "off", "last")
     assert (ours.init_from_target, ours.eval_every, ours.keep) == (True, "auto", "best")
+    assert (paper.gamma, ours.gamma, TrainConfig(eval_every="off").gamma) == (None, "measured", None)
     assert TrainConfig(recipe="paper", keep="best", eval_every=10).keep == "best"
     with pytest.raises(ValueError, match="keep: best and patience need held-out"):
         TrainConfig(eval_every="off", keep="best")
@@ -213,18 +245,19 @@ def test_an_objective_option_a_kind_does_not_take_is_one_line(monkeypatch):
 
 def test_measured_slot_weights_follow_the_held_out_reach_and_only_when_asked(dcfg):
     """`train.gamma: measured`: the paper's decay until a held-out measurement, then slot k weighs P(the drafts before
-    it accepted), floored; left null, or a written gamma, keeps a fixed decay."""
+    it accepted), floored; the draftflow recipe's default when it measures held out. The paper's recipe, no held-out
+    measurements, or a written gamma keep a fixed decay."""
     from draftflow.drafters.dflash.objective import DFlashObjective, reach_weights, slot_weights
 
     B = dcfg.block_size
     acceptance = [0.5, 0.2, 0.0] + [0.0] * (B - 4)
     want = torch.tensor([0.0, 1.0, 0.5, 0.2] + [0.01] * (B - 4))
     assert torch.allclose(reach_weights(acceptance, B), want)
-    ours = DFlashObjective(dcfg, tcfg(gamma="measured"))
+    ours = DFlashObjective(dcfg, tcfg())
     assert ours.measured and torch.equal(ours.weights, slot_weights(B, ours.gamma))  # before any measurement
     ours.reweight(acceptance)
     assert torch.allclose(ours.weights, want)
-    for kept in (DFlashObjective(dcfg, tcfg()), DFlashObjective(dcfg, tcfg(recipe="paper")),
+    for kept in (DFlashObjective(dcfg, tcfg(eval_every="off")), DFlashObjective(dcfg, tcfg(recipe="paper")),
                  DFlashObjective(dcfg, tcfg(gamma=2.0))):
         before = kept.weights.clone()
         kept.reweight(acceptance)

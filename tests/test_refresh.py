@@ -224,3 +224,20 @@ def test_a_pointer_naming_a_deleted_export_is_one_line_before_a_refresh(tmp_path
     with pytest.raises(ConfigError, match=r"train.init_from='promoted': the promoted drafter .*cccc.* is gone") as exc:
         check_refresh(cfg)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_warm_candidate_trains_a_share_of_the_steps_at_a_share_of_the_rate(tmp_path, warm):
+    """A warm start at the full rate jolted the live drafter (docs/operations.md "Refreshes"); a cold one is as
+    configured."""
+    from draftflow.config import load_config
+    from flows.refresh import candidate_config
+
+    cfg = load_config("configs/tiny.yaml", [f"root={tmp_path}", "train.max_steps=400", "train.lr=0.003"])
+    batch = batches.Batch(n=1, files={})
+    got = candidate_config(cfg, Store(str(tmp_path)), batch, warm=warm).train
+    assert (got.init_from, got.max_steps, got.lr) == (("promoted", 120, pytest.approx(0.0009)) if warm else
+                                                      (None, 400, 0.003))
+    unscaled = cfg.model_copy(update={"refresh": cfg.refresh.model_copy(update={"warm_steps": None, "warm_lr": None})})
+    got = candidate_config(unscaled, Store(str(tmp_path)), batch, warm=warm).train
+    assert (got.max_steps, got.lr) == (400, 0.003)

@@ -25,4 +25,6 @@ class RefreshConfig(Section):
                                                   "(new traffic must not cost what is already served); null: off")
     warm_steps: float | None = Field(0.3, gt=0.0, le=1.0, description="a warm-started refresh trains this share "
                                      "of train.max_steps (null: all of them)")
+    warm_lr: float | None = Field(0.3, gt=0.0, le=1.0, description="a warm-started refresh trains at this share of "
+                                  "train.lr (null: all of it): a fresh optimizer at full rate jolts a trained drafter")
     min_rows: int = Field(1, ge=1, description="fewer new conversations than this: the refresh does nothing")

@@ -168,7 +168,8 @@ class TrainConfig(Section):
     gamma: float | Literal["measured"] | None = Field(
         None, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); measured: the probability that decoding "
         "reaches slot k, from each held-out measurement (the paper's decay before the first; needs eval_every); "
-        "null = the paper's 7/5/4 for B=16/10/8")
+        "null = the recipe's: measured under draftflow with held-out measurements, else the paper's 7/5/4 for "
+        "B=16/10/8")
     checkpoint_every: int = Field(100, ge=1)
     device: Device = "auto"
     seed: int = 0
@@ -198,6 +199,8 @@ class TrainConfig(Section):
             self.eval_every = "off" if paper else "auto"
         if self.keep is None:
             self.keep = "last" if paper or self.eval_every == "off" else "best"
+        if self.gamma is None and not paper and self.eval_every != "off":
+            self.gamma = "measured"  # DFlash's slot weights follow what decoding reaches (docs/results.md "Recipes")
         if self.eval_every == "off" and (self.keep == "best" or self.patience):
             raise ValueError("keep: best and patience need held-out measurements: set train.eval_every (or "
                              "leave it null under recipe draftflow)")

@@ -169,6 +169,16 @@ def after_measurement_step(run: Any, state: dict) -> None:
         run.hooks.on_heldout(list(state["heldout"]))
 
 
+def at_start(run: Any, state: dict, warm: bool) -> None:
+    """Before the first step of this call: a resumed run weighs its slots as it did when it stopped; a warm start
+    (`train.init_from`) is measured at step 0, so `measured` slot weights start from what the drafter it starts from
+    accepts (not the paper's decay, then a jump), and under keep: best a run that never beats its start exports
+    the drafter it started from."""
+    reweight(run.objective, state["heldout"])
+    if warm and run.heldout_set is not None and state["step"] == 0:
+        after_measurement_step(run, state)
+
+
 def reweight(objective: Any, history: list[dict]) -> None:
     """Hand the newest held-out acceptance to an objective that weighs its slots by it (`reweight`; DFlash under
     `train.gamma: measured`); also on resume, from the history the checkpoint holds, so it equals a run never

@@ -274,7 +274,7 @@ def train_drafter(
     for key, empty in (("heldout", []), ("best", None), ("best_weights", None), ("stopped_early", None),
                        ("since_best", 0)):
         state.setdefault(key, empty)
-    heldout.reweight(objective, state["heldout"])  # a resumed run weighs its slots as it did when it stopped
+    heldout.at_start(run, state, warm=init is not None)
     _run_steps(run, state)
     metrics = _metrics(state, drafter) | heldout.run_metrics(run, state)
     if tcfg.keep == "best" and state["best"] is not None and state["best"]["step"] != state["step"]:

@@ -16,12 +16,13 @@ from draftflow.features import FeatureSample
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
 PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-# `train.gamma: measured` (an option of both recipes): slot k weighs the measured probability that decoding reaches it,
-# P(the drafts before it accepted), from each held-out measurement. The paper's fixed decay spreads the loss over
-# every slot; at tau ~1.2-1.3 slot 1 holds ~90% of the accepted drafts. On SmolLM2's rehearsal features, 300
-# steps, layers from the target, held-out tau (docs/results.md "Recipes"): fixed gamma 4 (the paper's for B = 8)
-# 1.213, 2: 1.238, 1: 1.283, 0.5: 1.314, 0.25: 1.292; the measured weights find that regime's ~0.5-0.8 themselves
-# and spread out again as acceptance grows (at tau 6 the reach falls about as the paper's gamma 7 does).
+# `train.gamma: measured` (draftflow recipe's default, an option of the paper's): slot k weighs the measured
+# probability that decoding reaches it, P(the drafts before it accepted), from each held-out measurement. The
+# paper's fixed decay spreads the loss over every slot; at tau ~1.2-1.3 slot 1 holds ~90% of the accepted drafts.
+# On SmolLM2's rehearsal features, 300 steps, layers from the target, held-out tau (docs/results.md "Recipes"):
+# fixed gamma 4 (the paper's for B = 8) 1.213, 2: 1.238, 1: 1.283, 0.5: 1.314, 0.25: 1.292; the measured weights
+# find that regime's ~0.5-0.8 themselves and spread out again as acceptance grows (at tau 6 the reach falls about
+# as the paper's gamma 7 does).
 REACH_FLOOR = 0.01  # a slot decoding rarely reaches still learns a little (its reach can then grow)
 
 
@@ -99,8 +100,8 @@ class DFlashObjective:
 
     def __init__(self, cfg: DFlashConfig, tcfg: TrainConfig, drafter: DrafterConfig | None = None):
         self.cfg, self.tcfg, self.B = cfg, tcfg, cfg.block_size
-        # `measured`: the paper's decay until the first held-out measurement, then `reweight`. Opt-in: as draftflow's
-        # recipe default it moved a refresh's warm start (tests/test_server.py's second refresh fell below the gate)
+        # `measured` (draftflow's recipe): the paper's decay until the first held-out measurement (a warm start's is
+        # at step 0), then `reweight`
         self.measured = tcfg.gamma == "measured"
         self.gamma = tcfg.gamma if isinstance(tcfg.gamma, float) else default_gamma(cfg.block_size)
         self.weights = slot_weights(cfg.block_size, self.gamma)
