@@ -388,9 +388,8 @@ def test_three_refreshes_through_the_refresh_deployment_on_a_process_worker(serv
     with _client(url) as client:
         assert _eventually(lambda: any("no new traffic under" in g.message for g in _logs_of(client, run.id)))
         key = f"{run_key(load_config(str(config)))}-refreshes"
-        docs = _eventually(lambda: [d for d in [_artifacts(client).get(key, [])] if len(d) >= 3])
+        docs = _eventually(lambda: len(found := _artifacts(client).get(key, [])) >= 3 and found)
         assert docs, f"fewer than 3 versions of the artifact {key}"
-        docs = docs[0]
         latest = max(docs, key=lambda a: a.created).data
         assert "candidate" in latest and "| 3 |" in latest and "| 4 |" not in latest
 

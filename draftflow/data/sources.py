@@ -102,15 +102,17 @@ def from_sharegpt(row: dict[str, Any]) -> list[dict[str, Any]]:
     """
     _need(row, "conversations")
     out = [message("system", _text(row["system"], "system"))] if row.get("system") else []
+    asked = False  # a user turn seen: assistant turns before it are dropped
     for i, turn in enumerate(row["conversations"]):
         who = turn.get("from") if isinstance(turn, dict) else turn
         role = SHAREGPT_ROLES.get(str(who).lower()) if isinstance(turn, dict) else None
         if role is None:
             raise BadRow("unknown_role", f"turn {i} has from={who!r}")
-        if role == "assistant" and not any(m["role"] == "user" for m in out):
+        asked = asked or role == "user"
+        if role == "assistant" and not asked:
             continue
         out.append(message(role, _text(turn.get("value"), f"turn {i} value")))
-    if row["conversations"] and not any(m["role"] == "user" for m in out):
+    if row["conversations"] and not asked:
         raise BadRow("no_user_turn", "no human turn: nothing for the target to answer")
     return out
 
