@@ -22,7 +22,7 @@ from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
-from draftflow.drafters.eagle3.objective import eagle3_loss
+from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, reach_steps
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.registry import load_exported
@@ -214,14 +214,15 @@ def test_soft_targets_sum_to_one_and_exclusions(drafter, samples, vocab):
     logits = [torch.randn(1, b.feats.shape[1], VD) for _ in range(K)]
     in_vocab = in_vocab.clone()
     in_vocab[5] = False  # pretend: the target's argmax at position 5 is not a draft token
-    st = eagle3_loss(logits, probs[None], in_vocab[None], b.supervised, 0.8)
+    decays = [0.8**i for i in range(K)]
+    st = eagle3_loss(logits, probs[None], in_vocab[None], b.supervised, decays)
     poked = [lg.clone() for lg in logits]
     poked[0][0, 4, 0] += 100.0  # step 0 row 4 reads its target at position 5: excluded
     poked[1][0, 0, 0] += 100.0  # step 1 row 0 predicts x_3, a prompt token: unsupervised
-    assert torch.equal(eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, 0.8).weighted_sum,
+    assert torch.equal(eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, decays).weighted_sum,
                        st.weighted_sum)
     poked[0][0, 10, 0] += 100.0  # a supervised row does count
-    assert eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, 0.8).weighted_sum != st.weighted_sum
+    assert eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, decays).weighted_sum != st.weighted_sum
     assert st.correct.shape == (K,) and st.valid[0] == int((b.supervised[0, 0] & in_vocab[1:]).sum())
     assert st.weight_sum == pytest.approx(sum(0.8**i * float(b.supervised[0, i].sum()) for i in range(K)))
 
@@ -236,9 +237,11 @@ def tcfg(**kw) -> TrainConfig:
 
 def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, samples, ecfg, vocab):
     head = target.lm_head.weight.clone()
-    first = train_drafter(samples, target, ecfg, tcfg(max_steps=1), str(tmp_path / "one"), start=Start(vocab))
-    m = train_drafter(samples, target, ecfg, tcfg(max_steps=60, checkpoint_every=1000), str(tmp_path),
-                      start=Start(vocab))
+    # every unroll step trained (the paper's decay: no held-out measurement, so no measured unroll depth)
+    first = train_drafter(samples, target, ecfg, tcfg(max_steps=1, eval_every="off"), str(tmp_path / "one"),
+                          start=Start(vocab))
+    m = train_drafter(samples, target, ecfg, tcfg(max_steps=60, checkpoint_every=1000, eval_every="off"),
+                      str(tmp_path), start=Start(vocab))
     assert m["steps"] == 60 and m["skipped_sequences"] == 0
     # Soft targets of a random target are nearly uniform: the cross entropy's floor is their entropy,
     # so the loss moves little; the agreement with the target's argmax is what training buys.
@@ -248,6 +251,26 @@ def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, sam
     assert torch.equal(target.lm_head.weight, head)
     loaded = Eagle3Drafter.load(tmp_path, target)
     assert torch.equal(loaded.t2d, vocab[1]) and loaded.config == ecfg
+
+
+def test_measured_unroll_trains_only_the_steps_decoding_reaches(samples, ecfg, drafter):
+    # held out on SmolLM2 (docs/results.md): P(at least k accepted) 0.26, 0.05, 0.004, ...: steps 0-2 reached
+    assert reach_steps([0.26, 0.05, 0.004, 0.0005, 0.0, 0.0], 7) == [1.0, 0.26, 0.05]
+    assert reach_steps([0.0, 0.0], 3) == [1.0] and reach_steps([0.9, 0.8, 0.7], 3) == [1.0, 0.9, 0.8]
+    sample = samples[0]
+    measured, paper = Eagle3Objective(ecfg, tcfg()), Eagle3Objective(ecfg, tcfg(recipe="paper"))
+    assert measured.measured and not paper.measured
+    assert measured.batch(sample, 0, 0).step_ids.shape[1] == K  # the paper's decay before the first measurement
+    for objective in (measured, paper):
+        objective.reweight([0.3, 0.005])
+    assert paper.batch(sample, 0, 0).step_ids.shape[1] == K and paper.step_weights == [0.8**i for i in range(K)]
+    b = measured.batch(sample, 0, 0)
+    assert b.step_ids.shape[1] == 2 and measured.step_weights == [1.0, 0.3]
+    assert measured.weight(b) == pytest.approx(float(b.supervised[0, 0].sum()) + 0.3 * float(b.supervised[0, 1].sum()))
+    stats = measured.loss(drafter, b)
+    assert stats.correct.shape == stats.valid.shape == (K,) and stats.valid[2] == 0 < stats.valid[1]
+    held = measured.heldout_batch(sample, 0)  # held-out measurements always unroll every step
+    assert held.step_ids.shape[1] == K and measured.loss(drafter, held).valid[K - 1] > 0
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):

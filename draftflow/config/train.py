@@ -166,8 +166,9 @@ class TrainConfig(Section):
     patience: int | None = Field(None, ge=1, description="stop after this many held-out measurements without a "
                                  "better acceptance; null = train every step")
     gamma: float | Literal["measured"] | None = Field(
-        None, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); measured: the probability that decoding "
-        "reaches slot k, from each held-out measurement (the paper's decay before the first; needs eval_every); "
+        None, description="DFlash: slot k's loss weight is exp(-(k-1)/gamma); measured (DFlash and EAGLE-3): the "
+        "probability that decoding reaches slot (unroll step) k, from each held-out measurement (the paper's decay "
+        "before the first; needs eval_every), EAGLE-3 unrolling only the steps reached 1% of the time or more; "
         "null = the recipe's: measured under draftflow with held-out measurements, else the paper's 7/5/4 for "
         "B=16/10/8")
     checkpoint_every: int = Field(100, ge=1)
@@ -200,7 +201,7 @@ class TrainConfig(Section):
         if self.keep is None:
             self.keep = "last" if paper or self.eval_every == "off" else "best"
         if self.gamma is None and not paper and self.eval_every != "off":
-            self.gamma = "measured"  # DFlash's slot weights follow what decoding reaches (docs/results.md "Recipes")
+            self.gamma = "measured"  # slot weights follow what decoding reaches (docs/results.md "Recipes")
         if self.eval_every == "off" and (self.keep == "best" or self.patience):
             raise ValueError("keep: best and patience need held-out measurements: set train.eval_every (or "
                              "leave it null under recipe draftflow)")

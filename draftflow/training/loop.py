@@ -227,7 +227,7 @@ def train_drafter(
 
     Returns:
         Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1
-        (EAGLE-3: per unroll step), tau_est, steps, trainable_params, frozen_params,
+        (EAGLE-3: per unroll step; None where no recent step scored it), tau_est, steps, trainable_params, frozen_params,
         skipped_sequences; with held-out sequences also heldout (the history), heldout_tau and
         heldout_acceptance (of the kept drafter), best_step, kept_step, stopped_early.
     """
@@ -383,7 +383,7 @@ def _metrics(state: dict, drafter: SharedTargetDrafter) -> dict:
     return {
         "loss": sum(losses) / len(losses) if losses else None,
         "first_loss": next((x for x in state["history"] if x is not None), None),
-        "accuracy": (correct / valid.clamp_min(1)).tolist(),
+        "accuracy": [c / v if v else None for c, v in zip(correct.tolist(), valid.tolist())],  # None: not scored
         "tau_est": 1.0 + sum(r["leading"] for r in window) / max(1, sum(r["blocks"] for r in window)),
         "steps": state["step"],
         "trainable_params": trainable,

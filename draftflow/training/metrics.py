@@ -110,7 +110,8 @@ def write_tensorboard(log_dir: Path, metrics: dict[str, Any], history: list[floa
     for key, value in scalars(metrics).items():
         scalar(f"final/{key}", value, step)
     for k, acc in enumerate(metrics.get("accuracy") or [], start=1):
-        scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
+        if acc is not None:  # None: a slot no recent step scored (an EAGLE-3 unroll step not trained)
+            scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
     for h in metrics.get("heldout") or []:  # held-out acceptance while training (`train.eval_every`)
         if h.get("tau") is not None:
             scalar("heldout/tau", float(h["tau"]), int(h["step"]))
@@ -155,9 +156,9 @@ def plot_loss(path: Path, history: list[float | None]) -> None:
     fig.savefig(path)
 
 
-def plot_accuracy(path: Path, accuracy: list[float]) -> None:
+def plot_accuracy(path: Path, accuracy: list[float | None]) -> None:
     fig, ax = _figure()
-    ax.plot(range(1, len(accuracy) + 1), accuracy, marker="o")
+    ax.plot(*zip(*[(k, a) for k, a in enumerate(accuracy, start=1) if a is not None] or [((), ())]), marker="o")
     ax.set(xlabel="block position k (predicts token anchor+k)", ylabel="accuracy", ylim=(0, 1),
            title="Per-position accuracy (last steps)")
     fig.tight_layout()
@@ -183,5 +184,5 @@ def metrics_table(metrics: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows {metric, value} for a table artifact: the scalars, then accuracy per position."""
     rows = [{"metric": k, "value": round(v, 6)} for k, v in scalars(metrics).items()]
     rows += [{"metric": f"accuracy@{k}", "value": round(float(a), 6)}
-             for k, a in enumerate(metrics.get("accuracy") or [], start=1)]
+             for k, a in enumerate(metrics.get("accuracy") or [], start=1) if a is not None]
     return rows

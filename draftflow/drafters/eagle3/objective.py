@@ -1,6 +1,6 @@
 """The EAGLE-3 objective (arXiv 2503.01840): the training-time-test unroll of
 `draftflow.drafters.eagle3.model`, step i's soft cross entropy against the target's distribution over the
-draft vocabulary weighted `ttt_decay ** i`.
+draft vocabulary weighted `ttt_decay ** i` (the paper), or by what decoding reaches (`train.gamma: measured`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,27 @@ from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
 from draftflow.features import FeatureSample
 
+# `train.gamma: measured` (draftflow recipe's default): unroll step i weighs the measured probability that decoding
+# reaches draft i+1, P(the drafts before it accepted), from each held-out measurement (as DFlash's slots), and the
+# unroll stops at the last step decoding reaches at least `REACH_FLOOR` of the time: every step is a whole pass of
+# the layer and the draft-vocabulary head over every position, and at tau ~1.3 steps 4-7 are reached under 0.5% of
+# the time (held out on SmolLM2: acceptance 0.26, 0.05, 0.004, 0.0005, 0, 0, 0), so a 3-step unroll trains about
+# twice the steps of a 7-step one in the same time; the unroll deepens as acceptance grows. Held-out measurements
+# always unroll every step. The paper's fixed 0.8 ** i spreads the loss over all 7 (ttt_decay 0.5 beat 0.8 held
+# out: 1.344 against 1.312, docs/results.md "Recipes").
+REACH_FLOOR = 0.01
+
+
+def reach_steps(acceptance: list[float], steps: int) -> list[float]:
+    """Loss weights of the unroll steps decoding reaches (`acceptance[k-1]` = P(at least k drafts accepted)): step 0
+    weighs 1, step i P(at least i accepted); the list ends before the first step reached under `REACH_FLOOR` of the
+    time (at least one step)."""
+    reach = [1.0, *acceptance][:steps]
+    return reach[: next((i for i, r in enumerate(reach) if i and r < REACH_FLOOR), len(reach))]
+
 
 def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
-                supervised: torch.Tensor, decay: float) -> LossStats:
+                supervised: torch.Tensor, weights: list[float], steps: int | None = None) -> LossStats:
     """Decayed soft cross entropy over the unroll steps, plus accuracy statistics.
 
     Args:
@@ -25,10 +43,11 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
             step i, row t is scored against position t+1+i.
         in_vocab: (1, T) the target's argmax at that position is a draft token.
         supervised: (1, K, R) bool from `make_eagle3_batch`.
-        decay: step i has weight decay ** i.
+        weights: step i's loss weight (the paper: ttt_decay ** i).
+        steps: the length of the statistics (the drafter's ttt_steps; steps not unrolled count nothing); None = K.
 
     Returns:
-        `LossStats` per step (correct/valid of length K; a row's leading count stops at its first
+        `LossStats` per step (correct/valid of length `steps`; a row's leading count stops at its first
         wrong or unsupervised step; rows = those supervised at step 0). `weight_sum` counts the
         supervised rows; rows whose target argmax is outside the draft vocabulary add nothing to
         `weighted_sum` but stay in `weight_sum` (known before the forward pass, like SpecForge's
@@ -42,7 +61,7 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
         n = p.shape[1]
         valid = supervised[:, i, :n] & in_vocab[:, 1 + i : 1 + i + n]  # (1, R_i)
         ce = -(p * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)  # (1, R_i)
-        w = decay**i
+        w = weights[i]
         weighted_sum = weighted_sum + w * (ce * valid).sum()
         weight_sum += w * float(supervised[:, i].sum())
         hit = (lg[:, :n].detach().argmax(-1) == p.argmax(-1)) & valid
@@ -50,6 +69,8 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
         valids.append(F.pad(valid[0], (0, R - n)))
     hit, valid = torch.stack(hits), torch.stack(valids)  # (K, R)
     leading = hit.int().cumprod(dim=0).sum(dim=0)[valid[0]]  # rows supervised at step 0
+    pad = (0, 0, 0, (steps or len(logits)) - len(logits))
+    hit, valid = F.pad(hit, pad), F.pad(valid, pad)
     return LossStats(
         loss=weighted_sum / max(weight_sum, 1e-12),
         weighted_sum=weighted_sum,
@@ -61,7 +82,8 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
 
 
 def eagle3_options_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
-                        supervised: torch.Tensor, decay: float, options: ObjectiveOptions) -> LossStats:
+                        supervised: torch.Tensor, weights: list[float], options: ObjectiveOptions,
+                        steps: int | None = None) -> LossStats:
     """`eagle3_loss` with the `ObjectiveOptions`: labels the target's top-k (k = 0: its argmax alone) instead of
     its whole distribution, and/or the acceptance-oriented loss (`objectives.chain_gain` over the unroll: step
     i's draft is accepted only if steps 0..i-1 were). Same statistics and normalisation as `eagle3_loss`."""
@@ -83,13 +105,15 @@ def eagle3_options_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_voca
         alphas.append(F.pad(alpha, (0, R - n)))
         valids.append(F.pad(valid, (0, R - n)))
         hits.append(F.pad((lg[0, :n].detach().argmax(-1) == p.argmax(-1)) & valid, (0, R - n)))
-        weight_sum += decay**i * float(supervised[:, i].sum())
+        weight_sum += weights[i] * float(supervised[:, i].sum())
     term, alpha, valid, hit = (torch.stack(x, dim=1) for x in (terms, alphas, valids, hits))  # (R, K)
-    w = torch.tensor([decay**i for i in range(K)], device=term.device)[None, :] * valid
+    w = torch.tensor(weights[:K], device=term.device)[None, :] * valid
     if options.acceptance_loss:
         w = w + chain_gain(alpha, valid.float())
     weighted_sum = torch.where(valid, term * w, 0.0).sum()
     leading = hit.int().cumprod(dim=1).sum(dim=1)[valid[:, 0]]
+    pad = (0, (steps or K) - K)
+    hit, valid = F.pad(hit, pad), F.pad(valid, pad)
     return LossStats(
         loss=weighted_sum / max(weight_sum, 1e-12),
         weighted_sum=weighted_sum,
@@ -105,20 +129,32 @@ class Eagle3Objective:
 
     def __init__(self, cfg: Eagle3Config, tcfg: TrainConfig, drafter: DrafterConfig | None = None):
         self.cfg, self.n_slots = cfg, cfg.ttt_steps
-        self.decays = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
+        # the steps unrolled in training and their weights: the paper's decay over every step until the first
+        # held-out measurement under `train.gamma: measured` (then `reweight`), always without it
+        self.measured = tcfg.gamma == "measured"
+        self.step_weights = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
         self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)
 
+    def reweight(self, acceptance: list[float]) -> None:
+        """After a held-out measurement (and on resume, from the history): under `train.gamma: measured`, unroll
+        only the steps decoding reaches, each weighted by its reach (`reach_steps`)."""
+        if self.measured:
+            self.step_weights = reach_steps(acceptance, self.cfg.ttt_steps)
+
     def batch(self, sample: FeatureSample, step: int, j: int) -> Eagle3Batch | None:
-        return make_eagle3_batch(sample, self.cfg.ttt_steps)  # deterministic: every row is used
+        return make_eagle3_batch(sample, len(self.step_weights))  # deterministic: every row is used
 
     def heldout_batch(self, sample: FeatureSample, j: int) -> Eagle3Batch | None:
         return make_eagle3_batch(sample, self.cfg.ttt_steps)
 
     def weight(self, b: Eagle3Batch) -> float:
-        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.decays))
+        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.step_weights[: b.supervised.shape[1]]))
 
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
+        """A training batch unrolls `len(self.step_weights)` steps, a held-out one every step (weighed as the paper's
+        decay beyond the trained steps: its loss is not used, only its statistics)."""
         logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
+        weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
-            return eagle3_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay)
-        return eagle3_options_loss(logits, probs, in_vocab, b.supervised, self.cfg.ttt_decay, self.options)
+            return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
+        return eagle3_options_loss(logits, probs, in_vocab, b.supervised, weights, self.options, self.n_slots)
