@@ -70,3 +70,15 @@ def test_table_and_smoothing():
     rows = {r["metric"]: r["value"] for r in metrics_table(METRICS)}
     assert rows["tau_est"] == 2.1 and rows["accuracy@1"] == 0.8 and rows["accuracy@3"] == 0.25
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_a_slot_no_recent_step_scored_is_left_out_not_drawn_as_zero(tmp_path):
+    """EAGLE-3 under `train.gamma: measured` unrolls only the steps decoding reaches: the others are None."""
+    metrics = {**METRICS, "accuracy": [0.8, 0.5, None]}
+    write_metrics(tmp_path, metrics, history=HISTORY)
+    assert scalars(tmp_path, "accuracy/pos_2") == [(4, 0.5)]
+    with pytest.raises(KeyError):  # no point at all for the slot not scored
+        scalars(tmp_path, "accuracy/pos_3")
+    assert (tmp_path / "metrics" / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = {r["metric"] for r in metrics_table(metrics)}
+    assert {"accuracy@1", "accuracy@2"} <= rows and "accuracy@3" not in rows

@@ -227,8 +227,8 @@ def train_drafter(
 
     Returns:
         Metrics: loss (mean of the last steps), first_loss, accuracy per slot k=1..B-1
-        (EAGLE-3: per unroll step; None where no recent step scored it), tau_est, steps, trainable_params, frozen_params,
-        skipped_sequences; with held-out sequences also heldout (the history), heldout_tau and
+        (EAGLE-3: per unroll step; None where no recent step scored it), tau_est, steps, trainable_params,
+        frozen_params, skipped_sequences; with held-out sequences also heldout (the history), heldout_tau and
         heldout_acceptance (of the kept drafter), best_step, kept_step, stopped_early.
     """
     if not samples:

@@ -109,9 +109,9 @@ def write_tensorboard(log_dir: Path, metrics: dict[str, Any], history: list[floa
             scalar("train/loss", loss, i)
     for key, value in scalars(metrics).items():
         scalar(f"final/{key}", value, step)
-    for k, acc in enumerate(metrics.get("accuracy") or [], start=1):
-        if acc is not None:  # None: a slot no recent step scored (an EAGLE-3 unroll step not trained)
-            scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
+    scored = [(k, acc) for k, acc in enumerate(metrics.get("accuracy") or [], start=1) if acc is not None]
+    for k, acc in scored:  # None: a slot no recent step scored (an EAGLE-3 unroll step not trained)
+        scalar(f"accuracy/pos_{k}", float(acc), step)  # slot k predicts token anchor+k
     for h in metrics.get("heldout") or []:  # held-out acceptance while training (`train.eval_every`)
         if h.get("tau") is not None:
             scalar("heldout/tau", float(h["tau"]), int(h["step"]))

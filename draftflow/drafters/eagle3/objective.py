@@ -148,7 +148,8 @@ class Eagle3Objective:
         return make_eagle3_batch(sample, self.cfg.ttt_steps)
 
     def weight(self, b: Eagle3Batch) -> float:
-        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(self.step_weights[: b.supervised.shape[1]]))
+        unrolled = self.step_weights[: b.supervised.shape[1]]
+        return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(unrolled))
 
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
         """A training batch unrolls `len(self.step_weights)` steps, a held-out one every step (weighed as the paper's
