@@ -22,7 +22,8 @@ from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
-from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, reach_steps
+from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, eagle3_options_loss, reach_steps
+from draftflow.drafters.objectives import ObjectiveOptions
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.registry import load_exported
@@ -225,6 +226,28 @@ def test_soft_targets_sum_to_one_and_exclusions(drafter, samples, vocab):
     assert eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, decays).weighted_sum != st.weighted_sum
     assert st.correct.shape == (K,) and st.valid[0] == int((b.supervised[0, 0] & in_vocab[1:]).sum())
     assert st.weight_sum == pytest.approx(sum(0.8**i * float(b.supervised[0, i].sum()) for i in range(K)))
+
+
+def test_soft_targets_only_where_read_give_the_same_loss_and_gradients(drafter, samples):
+    """The target's whole head runs only at the positions a supervised row is scored against (`batch.read`)."""
+    b = make_eagle3_batch(samples[0], K)
+    assert b.read.sum() < b.read.numel() - 1 and not b.read[0, 0]  # the prompt's positions are never read
+    logits = [lg.detach().requires_grad_() for lg in drafter.unroll(b.feats, b.step_ids, b.pos)]
+    full, at = drafter.soft_targets(b.final), drafter.soft_targets_at(b.final, b.read)
+    assert torch.equal(full[1] & b.read, at[1]) and torch.equal(full[0][b.read], at[0][b.read])
+    decays = [0.8**i for i in range(K)]
+    for options in (None, ObjectiveOptions(4, False), ObjectiveOptions(0, True)):
+        grads = []
+        for probs, in_vocab in (full, at):
+            if options is None:
+                st = eagle3_loss(logits, probs, in_vocab, b.supervised, decays)
+            else:
+                st = eagle3_options_loss(logits, probs, in_vocab, b.supervised, decays, options)
+            grads.append((st, torch.autograd.grad(st.loss, logits)))
+        (one, g1), (two, g2) = grads
+        assert torch.isfinite(two.loss) and torch.allclose(one.loss, two.loss, rtol=0, atol=1e-6), options
+        assert torch.equal(one.correct, two.correct) and torch.equal(one.valid, two.valid)
+        assert all(torch.allclose(x, y, rtol=0, atol=1e-7) for x, y in zip(g1, g2))
 
 
 # ----------------------------------------------------------------------------- training

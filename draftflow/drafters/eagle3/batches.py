@@ -20,6 +20,7 @@ class Eagle3Batch:
     pos: torch.Tensor  # (1, R) RoPE positions of step 0
     final: torch.Tensor  # (1, T, D) target's final normed hidden states, positions 0..T-1
     supervised: torch.Tensor  # (1, K, R) bool: x_{t+2+i} exists and loss_mask[t+2+i]
+    read: torch.Tensor  # (1, T) bool: positions whose target distribution a supervised row is scored against
 
     def to(self, device: torch.device | str) -> Eagle3Batch:
         return Eagle3Batch(**{k: v.to(device) for k, v in vars(self).items()})
@@ -43,10 +44,15 @@ def make_eagle3_batch(sample: FeatureSample, steps: int) -> Eagle3Batch | None:
     if not supervised.any():
         return None
     hidden = sample.hidden  # (T, 4, D)
+    # step i, row t reads position p = t+1+i and is supervised iff loss_mask[p+1]: at any unroll depth the positions
+    # read are those followed by a supervised token (step 0, row p-1 reaches each), never position 0
+    read = torch.zeros(T, dtype=torch.bool)
+    read[1:-1] = mask[2:]
     return Eagle3Batch(
         feats=hidden[:R, :3].reshape(1, R, -1),
         step_ids=step_ids[None],
         pos=torch.arange(R)[None],
         final=hidden[:, 3][None],
         supervised=supervised[None],
+        read=read[None],
     )

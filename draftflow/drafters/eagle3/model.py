@@ -220,13 +220,26 @@ class Eagle3Drafter(SharedTargetDrafter):
         in_vocab = t2d[logits.argmax(-1)]
         return F.softmax(logits[..., t2d], dim=-1), in_vocab  # columns in draft-id order
 
-    def forward(self, feats, step_ids, pos, final_hidden):
-        """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets.
+    @torch.no_grad()
+    def soft_targets_at(self, final_hidden: torch.Tensor, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`soft_targets` computed only where `read` (B, T') is True: the target's whole head is a quarter of an
+        EAGLE-3 training step, and a prompt's positions are never scored. Elsewhere the distribution is uniform
+        (finite, never scored) and in_vocab False, so a loss masked by in_vocab is exactly `soft_targets`'s."""
+        vd = self.lm_head.out_features  # the draft vocabulary
+        probs = final_hidden.new_full((*read.shape, vd), 1.0 / vd, dtype=torch.float32)
+        in_vocab = torch.zeros(read.shape, dtype=torch.bool, device=final_hidden.device)
+        probs[read], in_vocab[read] = self.soft_targets(final_hidden[read])
+        return probs, in_vocab
+
+    def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None):
+        """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets (only at the
+        positions `read`, (B, T') bool, when given: `soft_targets_at`).
 
         Returns:
             (list of K (B, T, Vd) logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D).
         """
-        return (self.unroll(feats, step_ids, pos), *self.soft_targets(final_hidden))
+        targets = self.soft_targets(final_hidden) if read is None else self.soft_targets_at(final_hidden, read)
+        return (self.unroll(feats, step_ids, pos), *targets)
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:

@@ -154,7 +154,7 @@ class Eagle3Objective:
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
         """A training batch unrolls `len(self.step_weights)` steps, a held-out one every step (weighed as the paper's
         decay beyond the trained steps: its loss is not used, only its statistics)."""
-        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final)
+        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read)
         weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
             return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
