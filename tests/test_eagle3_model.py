@@ -23,9 +23,9 @@ from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, eagle3_options_loss, reach_steps
-from draftflow.drafters.objectives import ObjectiveOptions
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
+from draftflow.drafters.objectives import ObjectiveOptions
 from draftflow.drafters.registry import load_exported
 from draftflow.engines.capture import HFCapture
 from draftflow.errors import ConfigError
