@@ -157,6 +157,11 @@ def n_stages() -> int:
     return len(stage_names())
 
 
+def stage_of(summary: dict, name: str) -> dict:
+    """A pipeline summary's entry for stage `name`, by name: a worked example's copy puts stages between the six."""
+    return next(s for s in summary["stages"] if s["stage"] == name)
+
+
 def run_front(cfg, tiny_target):
     """curate -> regenerate -> tokenize of the first train shard, through the library.
 

@@ -30,7 +30,7 @@ from draftflow.evaluation.compare_with import (
     rounding_for,
 )
 from draftflow.store import Store
-from tests.conftest import MASK_ID
+from tests.conftest import MASK_ID, stage_of
 
 
 @pytest.fixture(scope="module")
@@ -154,11 +154,11 @@ def test_compare_with_eagle3_in_the_same_root(prefect_harness, tmp_path):
 
     root = tmp_path / "run"
     eagle3 = pipeline(eagle3_config(root, "train.max_steps=10"))
-    e3_fp = eagle3["stages"][4]["fingerprint"]
+    e3_fp = stage_of(eagle3, "train")["fingerprint"]
     cfg = tiny_config(root, f"evaluate.compare_with=[{e3_fp}]")
     preflight(cfg)  # the named drafter exists and was trained for this target
     summary = pipeline(cfg)
-    evaluate = summary["stages"][5]
+    evaluate = stage_of(summary, "evaluate")
     report = json.loads((Path(evaluate["path"]) / "report.json").read_text())
     label = f"drafter:eagle3@{e3_fp[:8]}"
     other = report["baselines"][label]
@@ -170,7 +170,7 @@ def test_compare_with_eagle3_in_the_same_root(prefect_harness, tmp_path):
     assert f"| {label} |" in md and "slot alignment" in md
     assert set(report["alignment"]["match"]) == {"-1", "0", "+1"}
     # Without the comparison it is another evaluation (the comparison is in the fingerprint).
-    assert evaluate["fingerprint"] != pipeline(tiny_config(root))["stages"][5]["fingerprint"]
+    assert evaluate["fingerprint"] != stage_of(pipeline(tiny_config(root)), "evaluate")["fingerprint"]
     with pytest.raises(ConfigError, match="ffffffffffffffff") as err:
         preflight(tiny_config(root, "evaluate.compare_with=[ffffffffffffffff]"))
     assert "\n" not in str(err.value)

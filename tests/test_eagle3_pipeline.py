@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, n_stages
+from tests.conftest import ROOT, n_stages, stage_of
 
 OVERRIDES = ["curate.shard_rows=16", "regenerate.max_new_tokens=24", "train.max_steps=40",
              "train.checkpoint_every=20", "evaluate.max_new_tokens=16", "evaluate.num_prompts=2"]
@@ -28,7 +28,7 @@ def test_eagle3_pipeline_trains_evaluates_and_exports(prefect_harness, tmp_path)
     summary = pipeline(eagle3_config(tmp_path / "run"))
     assert [s["status"] for s in summary["stages"]] == ["ran"] * n_stages()
     assert summary["tau"] >= 1.0  # measured by decoding; evaluate fails unless it was lossless
-    extract_dir = Path(summary["stages"][3]["path"])
+    extract_dir = Path(stage_of(summary, "extract")["path"])
     manifest = json.loads((extract_dir / "manifest.json").read_text())
     assert all(s["layer_ids"] == [1, 3, 4, -1] for s in manifest["shards"])  # default taps + FINAL
     train_dir = Path(summary["checkpoint"]).parent
@@ -39,12 +39,12 @@ def test_eagle3_pipeline_trains_evaluates_and_exports(prefect_harness, tmp_path)
     assert vllm["architectures"] == ["LlamaForCausalLMEagle3"] and spec["speculators_model_type"] == "eagle3"
     for fmt in ("vllm", "speculators"):
         assert (train_dir / "export" / fmt / "model.safetensors").is_file()
-    report = json.loads((Path(summary["stages"][5]["path"]) / "report.json").read_text())
+    report = json.loads((Path(stage_of(summary, "evaluate")["path"]) / "report.json").read_text())
     assert report["tau"] == summary["tau"] and len(report["acceptance_rate"]) == 4  # ttt_steps drafts
     # where evaluate's time went, phase by phase in the order they ran (engine hf: no vLLM phase)
     assert list(report["phase_seconds"]) == ["decode", "baselines", "alignment", "ddtree"]
     assert all(s >= 0 for s in report["phase_seconds"].values()) and report["phase_seconds"]["decode"] > 0
-    md = (Path(summary["stages"][5]["path"]) / "report.md").read_text()
+    md = (Path(stage_of(summary, "evaluate")["path"]) / "report.md").read_text()
     assert "Where this stage's time went (this machine, under its load): decode " in md
 
 
@@ -52,7 +52,7 @@ def test_eagle3_pipeline_with_online_features(prefect_harness, tmp_path):
     from flows.pipeline import pipeline
 
     summary = pipeline(eagle3_config(tmp_path / "run", "extract.mode=online", "train.max_steps=10"))
-    train = json.loads((Path(summary["stages"][4]["path"]) / "manifest.json").read_text())
+    train = json.loads((Path(stage_of(summary, "train")["path"]) / "manifest.json").read_text())
     assert train["extra"]["features"] == "online" and train["extra"]["metrics"]["steps"] == 10
     assert summary["tau"] >= 1.0
 

@@ -152,12 +152,13 @@ def ray_cluster(tmp_path_factory, ray_token):
 
 
 def _tokenize(cfg):
-    """curate and regenerate on threads, then tokenize as `cfg.runner` says; returns tokenize's stage result."""
+    """The stages before tokenize on threads, then tokenize as `cfg.runner` says; returns tokenize's stage result."""
+    from draftflow.stages.registry import needed
     from flows.pipeline import run_stage_flow
     from tasks.stage_tasks import prepare_target
 
     target, results = prepare_target.fn(cfg), {}
-    for stage in ("curate", "regenerate", "tokenize"):
+    for stage in needed("tokenize"):  # from the registry: a worked example's copy has a stage before tokenize
         results[stage] = run_stage_flow(stage, cfg, target, results)
     return results["tokenize"]
 

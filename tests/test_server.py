@@ -24,7 +24,7 @@ import yaml
 
 from draftflow.config import load_config
 from draftflow.stages.registry import stage_names
-from flows.keys import run_key
+from flows.keys import artifact_key, run_key
 from tests.conftest import ROOT, n_stages, tiny_config
 from tests.reliability.procs import wait_healthy
 
@@ -183,7 +183,7 @@ def test_run_shows_pipeline_stage_flows_artifacts_and_terminal_progress(server, 
         assert KEY.startswith(f"{NAME}-") and KEY != run_key(cfg.model_copy(update={"root": "elsewhere"}))
         arts = _artifacts(client)
         for stage in STAGES:
-            (counts,) = arts[f"{KEY}-{stage}-counts"]
+            (counts,) = arts[artifact_key(KEY, stage, "counts")]  # a stage name's "_" is "-" in a key
             assert counts.type == "table" and counts.flow_run_id == runs[stage][0].id
         (regen,) = arts[f"{KEY}-regenerate-progress"]
         assert regen.type == "progress" and float(regen.data) == 100.0

@@ -25,7 +25,7 @@ from draftflow.promotion import PROMOTED, promoted_export
 from draftflow.store import Store
 from draftflow.training import warm
 from draftflow.training.loop import Start, train_drafter
-from tests.conftest import MASK_ID
+from tests.conftest import MASK_ID, stage_of
 from tests.test_train import samples, tcfg  # noqa: F401  (the module fixture of greedy-continued samples)
 
 
@@ -165,11 +165,11 @@ def test_a_run_warm_starts_from_the_promoted_drafter_of_its_root(prefect_harness
 
     root = tmp_path / "run"
     first = pipeline(tiny_config(root, "evaluate.gate.min_tau=1.0"))
-    train_fp = first["stages"][4]["fingerprint"]
+    train_fp = stage_of(first, "train")["fingerprint"]
     assert (root / "train" / train_fp / "export" / PROMOTED).is_file()
     cfg = tiny_config(root, "train.init_from=promoted", "evaluate.gate.min_tau=1.0")
     second = pipeline(cfg)
-    warm_fp = second["stages"][4]["fingerprint"]
+    warm_fp = stage_of(second, "train")["fingerprint"]
     assert warm_fp != train_fp and [s["status"] for s in second["stages"][:4]] == ["reused"] * 4
     manifest = json.loads((root / "train" / warm_fp / "manifest.json").read_text())
     note = manifest["extra"]["init_from"]
@@ -179,7 +179,7 @@ def test_a_run_warm_starts_from_the_promoted_drafter_of_its_root(prefect_harness
     assert metrics["first_loss"] < cold["first_loss"]  # it started from the trained drafter
     # The same drafter named by its folder is the same training (the content is fingerprinted, not the name).
     by_folder = tiny_config(root, f"train.init_from={root / 'train' / train_fp / 'export' / 'vllm'}")
-    assert pipeline(by_folder)["stages"][4]["status"] == "reused"
+    assert stage_of(pipeline(by_folder), "train")["status"] == "reused"
     capsys.readouterr()
     assert main(["status", str(root)]) == 0
     assert f"warm-started from promoted (drafter {note['digest'][:12]})" in capsys.readouterr().out
