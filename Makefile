@@ -12,7 +12,7 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-fast test-slow test-examples test-vllm test-reliability test-reliability-a test-reliability-b lint server clean rehearsal
+.PHONY: demo test test-fast test-slow test-examples test-examples-all test-vllm test-reliability test-reliability-a test-reliability-b lint server clean rehearsal
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -76,6 +76,9 @@ test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability" --durations=15 --ignore=$(EXAMPLES)
 test-examples: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow $(EXAMPLES)
+# The same with the copy's whole slow tier (~18 min more; not in .ci/run, whose budget it would break).
+test-examples-all: $(STAMP)
+	DRAFTFLOW_EXAMPLES_SLOW=all $(BIN)/python -m pytest -q -p no:cacheprovider -m slow $(EXAMPLES)
 
 # Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
 test-vllm: $(VSTAMP)
