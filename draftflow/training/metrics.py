@@ -158,7 +158,8 @@ def plot_loss(path: Path, history: list[float | None]) -> None:
 
 def plot_accuracy(path: Path, accuracy: list[float | None]) -> None:
     fig, ax = _figure()
-    ax.plot(*zip(*[(k, a) for k, a in enumerate(accuracy, start=1) if a is not None] or [((), ())]), marker="o")
+    scored = [(k, a) for k, a in enumerate(accuracy, start=1) if a is not None]  # None: a slot not scored
+    ax.plot([k for k, _ in scored], [a for _, a in scored], marker="o")
     ax.set(xlabel="block position k (predicts token anchor+k)", ylabel="accuracy", ylim=(0, 1),
            title="Per-position accuracy (last steps)")
     fig.tight_layout()
