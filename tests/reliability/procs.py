@@ -189,32 +189,44 @@ def run_with_fault(env: dict, root: str, point: str, action: str, log: Path, tim
     return rc, out
 
 
+# pid -> its start time (jiffies since boot), as `descendants` found it. This machine's pid_max is 32,768 and torch
+# and vLLM threads draw from the same ids, so within a CI run an id is reused: `alive` counts a pid only while it
+# is the process that was found (a vLLM SIGTERM test once saw its engine's pid alive again as another leg's).
+_FOUND_STARTED: dict[int, str] = {}
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat's fields from the state on (field 3 is [0], the start time, field 22, is [19])."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
 def descendants(pid: int) -> set[int]:
     """Every live process below `pid` (from /proc), zombies left out."""
     children: dict[int, list[int]] = {}
+    started: dict[int, str] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
+        fields = _stat(stat.parent.name)
+        if fields is not None and fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            started[int(stat.parent.name)] = fields[19]
     found, todo = set(), [pid]
     while todo:
         for child in children.get(todo.pop(), []):
             found.add(child)
             todo.append(child)
+    _FOUND_STARTED.update({p: started[p] for p in found})
     return found
 
 
 def alive(pids: set[int]) -> set[int]:
+    """The pids still running (not zombies) and, for those `descendants` found, still the same process."""
     out = set()
     for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z" and _FOUND_STARTED.get(pid, fields[19]) == fields[19]:
             out.add(pid)
     return out
 
