@@ -54,6 +54,18 @@ class ObjectiveOptions:
         return cls(getattr(drafter, "distill_top_k", None), bool(getattr(drafter, "acceptance_loss", False)))
 
 
+# `train.gamma: measured`: a slot (an EAGLE-3 unroll step) decoding reaches less often than this is trained at this
+# weight (DFlash: one pass scores every slot) or not unrolled (EAGLE-3: each step is a whole pass).
+REACH_FLOOR = 0.01
+
+
+def reach(acceptance: list[float], n: int) -> list[float]:
+    """P(decoding reaches draft k), k = 1..n, from held-out `acceptance[k-1]` = P(at least k drafts accepted): 1 for
+    the first draft, then `acceptance`, 0 past what was measured."""
+    out = [1.0, *acceptance][:n]
+    return out + [0.0] * (n - len(out))
+
+
 def top_k_targets(target_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's top-k tokens and their probabilities renormalised over those k: ((..., k) ids, (..., k) p).
 

@@ -11,7 +11,15 @@ from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.batches import IGNORE
 from draftflow.drafters.dflash.batches import BlockBatch, anchor_generator, build_training_batch, sampled_vocab
 from draftflow.drafters.dflash.config import DFlashConfig
-from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
+from draftflow.drafters.objectives import (
+    REACH_FLOOR,
+    LossStats,
+    ObjectiveOptions,
+    chain_gain,
+    reach,
+    slot_terms,
+    top_k_targets,
+)
 from draftflow.features import FeatureSample
 
 # Paper's loss decay per block size: gamma = 7, 5, 4 for B = 16, 10, 8.
@@ -23,15 +31,13 @@ PAPER_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 # fixed gamma 4 (the paper's for B = 8) 1.213, 2: 1.238, 1: 1.283, 0.5: 1.314, 0.25: 1.292; the measured weights
 # find that regime's ~0.5-0.8 themselves and spread out again as acceptance grows (at tau 6 the reach falls about
 # as the paper's gamma 7 does).
-REACH_FLOOR = 0.01  # a slot decoding rarely reaches still learns a little (its reach can then grow)
 
 
 def reach_weights(acceptance: list[float], block_size: int) -> torch.Tensor:
     """(B,) loss weights from held-out acceptance (`acceptance[k-1]` = P(at least k drafts accepted)): 0 for slot
     0, P(at least k-1 accepted) for slot k >= 1 (1 for slot 1), at least `REACH_FLOOR`."""
-    reach = [1.0, *acceptance][: block_size - 1]
-    reach += [0.0] * (block_size - 1 - len(reach))
-    return torch.tensor([0.0] + [max(r, REACH_FLOOR) for r in reach], dtype=torch.float32)
+    # a slot decoding rarely reaches still learns a little (its reach can then grow)
+    return torch.tensor([0.0] + [max(r, REACH_FLOOR) for r in reach(acceptance, block_size - 1)], dtype=torch.float32)
 
 
 def default_gamma(block_size: int) -> float:

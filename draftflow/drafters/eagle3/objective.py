@@ -11,7 +11,15 @@ import torch.nn.functional as F
 from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
-from draftflow.drafters.objectives import LossStats, ObjectiveOptions, chain_gain, slot_terms, top_k_targets
+from draftflow.drafters.objectives import (
+    REACH_FLOOR,
+    LossStats,
+    ObjectiveOptions,
+    chain_gain,
+    reach,
+    slot_terms,
+    top_k_targets,
+)
 from draftflow.features import FeatureSample
 
 # `train.gamma: measured` (draftflow recipe's default): unroll step i weighs the measured probability that decoding
@@ -22,15 +30,14 @@ from draftflow.features import FeatureSample
 # 0.54 steps/s against 0.35 there, and the unroll deepens as acceptance grows. Held-out measurements
 # always unroll every step. The paper's fixed 0.8 ** i spreads the loss over all 7 (ttt_decay 0.5 beat 0.8 held
 # out: 1.344 against 1.312, docs/results.md "Recipes").
-REACH_FLOOR = 0.01
 
 
 def reach_steps(acceptance: list[float], steps: int) -> list[float]:
     """Loss weights of the unroll steps decoding reaches (`acceptance[k-1]` = P(at least k drafts accepted)): step 0
     weighs 1, step i P(at least i accepted); the list ends before the first step reached under `REACH_FLOOR` of the
     time (at least one step)."""
-    reach = [1.0, *acceptance][:steps]
-    return reach[: next((i for i, r in enumerate(reach) if i and r < REACH_FLOOR), len(reach))]
+    weights = reach(acceptance, steps)
+    return weights[: next((i for i, r in enumerate(weights) if i and r < REACH_FLOOR), steps)]
 
 
 def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
