@@ -12,7 +12,7 @@ VSTAMP := $(VVENV)/.installed
 # vLLM's CPU build: KV cache in GiB (else sized from RAM); its compile cache inside the test session's cache.
 VLLM_ENV := VLLM_CPU_KVCACHE_SPACE=1 DRAFTFLOW_REQUIRE_VLLM=1
 
-.PHONY: demo test test-fast test-slow test-examples test-examples-all test-vllm test-reliability test-reliability-a test-reliability-b lint server clean rehearsal
+.PHONY: demo test test-fast test-slow test-examples test-slow-stages test-vllm test-reliability lint server clean rehearsal
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) on PATH (or make PY=python3)"; exit 1; }
@@ -69,16 +69,20 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and not slow and not reliability"
 
-# The rest of `make test`: test-fast + test-slow + test-examples = test (.ci/run runs test-examples, docs/extending.md's
-# worked examples applied to a copy of the repository, in its other lane).
+# The rest of `make test`: test-fast + test-slow + test-examples = test. test-examples applies docs/extending.md's
+# worked examples to a copy of the repository and runs its fast and whole slow tiers there (~25 min).
 EXAMPLES := tests/test_worked_examples.py
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability" --durations=15 --ignore=$(EXAMPLES)
 test-examples: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow $(EXAMPLES)
-# The same with the copy's whole slow tier (~18 min more; not in .ci/run, whose budget it would break).
-test-examples-all: $(STAMP)
-	DRAFTFLOW_EXAMPLES_SLOW=all $(BIN)/python -m pytest -q -p no:cacheprovider -m slow $(EXAMPLES)
+# What .ci/run runs of test-slow in this tree: the stages and their wiring. The slow tests marked `machinery`
+# (Prefect's server and workers, Ray clusters, torchrun, the benchmarks' scripts: tests/conftest.py) run once, in
+# test-examples' copy, whose code is this tree's plus the examples; the stages' tests run in both trees, here
+# with six stages and there with eight.
+test-slow-stages: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability and not machinery" --durations=15 \
+		--ignore=$(EXAMPLES)
 
 # Every test marked vllm, against a real vLLM on CPU (never skipped here: DRAFTFLOW_REQUIRE_VLLM).
 test-vllm: $(VSTAMP)
@@ -90,15 +94,6 @@ test-vllm: $(VSTAMP)
 # slowest tests (--durations), so the time budget of .ci/run can be kept by looking, not guessing.
 test-reliability: $(STAMP)
 	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15
-
-# .ci/run's two lanes split the reliability suite by file: RELIABILITY_B runs beside the vLLM leg, the rest
-# (a new file too) beside test-slow. Together they are test-reliability, each test once.
-RELIABILITY_B := tests/reliability/test_s3_faults.py tests/reliability/test_prefect_lost.py tests/reliability/test_refresh_kill.py \
-	tests/reliability/test_netns.py tests/reliability/test_storage_faults.py tests/reliability/test_ray_netns.py
-test-reliability-a: $(STAMP)
-	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15 $(addprefix --ignore=,$(RELIABILITY_B))
-test-reliability-b: $(STAMP)
-	$(BIN)/python -m pytest -q -m reliability -p no:cacheprovider --durations=15 $(RELIABILITY_B)
 
 lint: $(STAMP)
 	$(BIN)/ruff check draftflow flows tasks tests benchmarks

@@ -70,12 +70,30 @@ SLOW = [
 ]
 # Whatever needs these fixtures is slow too, listed or not: the fast tier never starts Prefect's harness or Ray.
 SLOW_FIXTURES = {"prefect_harness", "ray_instance"}
+# Slow tests of the machinery around the stages (Prefect's server, deployments and workers, Ray clusters,
+# torchrun launches and nodes, gloo ranks, the benchmarks' scripts, the temporary server, the root's lease, a fresh
+# interpreter's imports), marked `machinery`: .ci/run runs them once, in the worked examples' copy (its code is this
+# tree's plus the examples), and the tests of the stages and their wiring in both trees (`make test-slow-stages`
+# here). `make test-slow` runs all of them here.
+MACHINERY = [
+    "tests/test_server.py::*",
+    "tests/test_ray_cluster.py::*",
+    "tests/test_multinode.py::*",
+    "tests/test_launch.py::*",
+    "tests/test_distributed.py::*",
+    "tests/test_benchmarks.py::*",
+    "tests/test_tempserver.py::*",
+    "tests/test_runlock.py::*",
+    "tests/test_layering.py::*",
+]
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or any(fnmatch(item.nodeid, p) for p in SLOW):
             item.add_marker(pytest.mark.slow)
+            if any(fnmatch(item.nodeid, p) for p in MACHINERY):
+                item.add_marker(pytest.mark.machinery)
 
 TINY_OVERRIDES = [
     "regenerate.max_new_tokens=24",
