@@ -8,6 +8,10 @@ steps it ran and its wall time, with the ratio to the paper recipe measured in t
 
     python -m benchmarks.recipe_ablation configs/smollm2.yaml [--set train.max_steps=300 ...] [--kinds dflash]
 
+`--vary KEY=VALUE` sets a value on every variant but not on the run whose features they read, so settings that
+change an earlier stage's fingerprint (DFlash's `drafter.block_size` sets tokenize's least supervised tokens) can
+be compared on the same features: `--vary drafter.block_size=3 --vary train.num_anchors=48`.
+
 Variants: paper (the papers' recipe exactly), +init (the target's last layers as the start), +distill (soft
 labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations, and DFlash's slot
 weights (`train.gamma`: a fixed 0.5, or measured: draftflow's recipe). Every variant runs
@@ -81,6 +85,8 @@ def main() -> None:
     ap.add_argument("--set", dest="overrides", action="append", default=[])
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument("--vary", action="append", default=[], metavar="KEY=VALUE",
+                    help="set on every variant but not on the run whose features it reads (e.g. drafter.block_size)")
     args = ap.parse_args()
     from draftflow.config import load_config
     from draftflow.contracts import feature_source
@@ -97,7 +103,7 @@ def main() -> None:
     features = feature_source(manifest)
     rows = {}
     for name in args.variants.split(","):
-        cfg = variant_config(base, VARIANTS[name])
+        cfg = variant_config(load_config(args.config, args.overrides + args.vary), VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)
         print(f"{name}: {json.dumps(rows[name])}", flush=True)
     paper = (rows.get("paper") or {}).get("best_tau")
