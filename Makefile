@@ -70,7 +70,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and not slow and not reliability"
 
 # The rest of `make test`: test-fast + test-slow + test-examples = test. test-examples applies docs/extending.md's
-# worked examples to a copy of the repository and runs its fast and whole slow tiers there (~25 min).
+# worked examples to a copy of the repository and runs its fast and whole slow tiers there (~29 min).
 EXAMPLES := tests/test_worked_examples.py
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability" --durations=15 --ignore=$(EXAMPLES)
