@@ -101,9 +101,10 @@ def main() -> None:
         raise SystemExit(f"no complete extract stage for {args.config} in {base.root}: run it first "
                          "(draftflow run CONFIG --set ... stops nowhere earlier; its train stage may be cut short)")
     features = feature_source(manifest)
+    varied = load_config(args.config, args.overrides + args.vary) if args.vary else base
     rows = {}
     for name in args.variants.split(","):
-        cfg = variant_config(load_config(args.config, args.overrides + args.vary), VARIANTS[name])
+        cfg = variant_config(varied, VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)
         print(f"{name}: {json.dumps(rows[name])}", flush=True)
     paper = (rows.get("paper") or {}).get("best_tau")

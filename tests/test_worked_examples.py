@@ -82,10 +82,10 @@ def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
 
     run_root = tmp_path / "run"
     small = ["train.max_steps=100", "evaluate.num_prompts=6", "evaluate.ddtree_budgets=[1]"]  # the run, not its tau
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--set", f"root={run_root}",
-                          "--set", "drafter.kind=flat", "--set", "drafter.flat_slots=3",
-                          *(a for kv in small for a in ("--set", kv))],
-                         cwd=repo, env=env, capture_output=True, text=True, timeout=1800)
+    args = ["configs/tiny.yaml", "--set", f"root={run_root}", "--set", "drafter.kind=flat", "--set",
+            "drafter.flat_slots=3", *(a for kv in small for a in ("--set", kv))]
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", *args], cwd=repo, env=env, capture_output=True,
+                         text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     stages = {p.name: p for p in run_root.iterdir() if p.is_dir() and not p.name.startswith("_")}
     assert {"short_answers", "tokenize", "train", "evaluate"} <= set(stages)
@@ -116,8 +116,6 @@ def test_the_examples_as_written_keep_the_fast_suite_green_and_run(tmp_path):
 
     # `plan` and `status` read the root through the same wiring, the new stages included. (EAGLE-3, the sampled
     # softmax and online features through both new stages: the copy's slow tier above, whose pipelines all meet them.)
-    args = ["configs/tiny.yaml", "--set", f"root={run_root}", "--set", "drafter.kind=flat", "--set",
-            "drafter.flat_slots=3", *(a for kv in small for a in ("--set", kv))]
     for cmd in ("plan", "status"):
         out = subprocess.run([sys.executable, "-m", "flows.cli", cmd, *args], cwd=repo, env=env, capture_output=True,
                              text=True, timeout=600)
