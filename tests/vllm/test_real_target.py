@@ -162,7 +162,8 @@ def test_the_printed_serve_line_runs_as_printed_and_accepts_as_evaluate_measured
 
     cfg, summary = smol_run
     line = summary["serve"]["vllm"]
-    assert " --dtype float32 --enforce-eager " in line and '"num_speculative_tokens": 7' in line  # as evaluate ran it
+    drafts = cfg.drafter.block_size - 1  # a block of B serves B - 1 drafts, as evaluate ran it
+    assert " --dtype float32 --enforce-eager " in line and f'"num_speculative_tokens": {drafts}' in line
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1"}
