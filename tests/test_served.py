@@ -100,9 +100,10 @@ PLAIN = ServedResult("plain", [[1, 2]], None, [], 0, 0, [], {1: 10.0, 8: 60.0}, 
 DRAFTER = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 8.0, 8: 30.0}, TOKS)  # K=3
 
 
-def choose_with(monkeypatch, tmp_path, chosen: ServedResult) -> tuple[dict, list]:
+def choose_with(monkeypatch, tmp_path, chosen: ServedResult, drafter: ServedResult = DRAFTER) -> tuple[dict, list]:
     """`served.measure` on stand-in engines: plain (`PLAIN`), the drafter with its 3 drafts (`DRAFTER`), and
-    `chosen` for any other setting; returns the record and the speculative configs served."""
+    `chosen` for any other setting (`drafter` for its 3 drafts); returns the record and the speculative configs
+    served."""
     export = tmp_path / "export"
     export.mkdir()
     monkeypatch.setattr("draftflow.engines.vllm_serve.speculative_config",
@@ -113,7 +114,7 @@ def choose_with(monkeypatch, tmp_path, chosen: ServedResult) -> tuple[dict, list
         if export_dir is None and spec is None:
             return PLAIN
         served_with.append(spec)
-        return DRAFTER if spec is None else chosen
+        return drafter if spec is None else chosen
 
     monkeypatch.setattr(served, "serve_with_vllm", fake_serve)
     job = ServeJob("t", [[0]], 8, [2], None, "float32", (1, 8), ("chat",), probe_positions=4)
@@ -147,3 +148,31 @@ def test_a_chosen_setting_measured_slower_than_plain_is_overruled(monkeypatch, t
     assert b1["overruled"]["setting"] == "dflash:k=1" and b1["overruled"]["measured"] == pytest.approx(0.7)
     assert "dflash:k=1 was predicted x1.06 and measured x0.70, so the recommendation is plain decoding" in \
         "\n".join(served.render(record, {}))
+
+
+def test_an_overruled_setting_falls_back_to_the_fastest_measured_one_that_beat_plain():
+    """2026-12-05 on SmolLM2: the chosen dflash:k=1 measured x0.91 while the drafter served with both drafts had
+    measured x1.09; the fallback takes the fastest lossless setting measured at least as fast as plain, else plain."""
+    k1 = ServedResult("k1", [[1, 2]], 1.3, [0.3], 5, 2, [], {1: 9.1, 8: 40.0}, TOKS)
+    k2 = ServedResult("k2", [[1, 2]], 1.3, [0.3, 0.06], 5, 2, [], {1: 10.9, 8: 40.0}, TOKS)
+    lossy = ServedResult("k3", [[1, 2]], 1.3, [0.3], 5, 2, [], {1: 12.0, 8: 40.0}, {1: [[1, 3]], 8: [[1, 3]]})
+    assert served.best_measured(1, PLAIN, {"dflash:k=1": k1, "dflash:k=2": k2, "dflash:k=3": lossy}) == \
+        ("dflash:k=2", k2)
+    assert served.best_measured(8, PLAIN, {"dflash:k=1": k1, "dflash:k=2": k2}) == ("plain", None)
+    choice = {"1": {"setting": "dflash:k=2", "predicted": 1.09, "measured": 1.09, "lossless": True,
+                    "best_speculative": "dflash:k=1", "best_predicted": 1.11, "table": {},
+                    "overruled": {"setting": "dflash:k=1", "predicted": 1.11, "measured": 0.91}}}
+    assert ("dflash:k=1 was predicted x1.11 and measured x0.91, so the recommendation is dflash:k=2, measured faster "
+            "than plain here") in "\n".join(served.render_choice(choice))
+
+
+def test_served_falls_back_to_the_drafter_with_its_own_drafts_when_that_measured_faster(monkeypatch, tmp_path):
+    """The drafter served with its 3 drafts measured 10.5 tok/s against plain's 10; the chosen k = 1 measured 7:
+    the recommendation at batch 1 is dflash:k=3 (x1.05), with the overruled choice kept in the report."""
+    fast = ServedResult("d", [[1, 2]], 1.7, [0.6, 0.08, 0.02], 10, 7, [], {1: 10.5, 8: 30.0}, TOKS)
+    record, _ = choose_with(monkeypatch, tmp_path, ServedResult("k1", [[1, 2]], 1.4, [0.4], 5, 2, [],
+                                                                {1: 7.0, 8: 40.0}, TOKS), drafter=fast)
+    b1 = record["choice"]["1"]
+    assert (b1["setting"], b1["measured"]) == ("dflash:k=3", pytest.approx(1.05))
+    assert b1["overruled"]["setting"] == "dflash:k=1" and b1["overruled"]["measured"] == pytest.approx(0.7)
+    assert record["choice"]["8"]["setting"] == "plain"

@@ -170,11 +170,29 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
                        "best_speculative": c.best_speculative, "best_predicted": c.best_predicted,
                        "table": c.table, "costs": costs[b]}
         if speed < 1.0:  # the measurement overrules the prediction: never recommend what was measured slower
-            out[str(b)] |= {"setting": "plain", "predicted": 1.0, "measured": 1.0, "lossless": True,
-                            "overruled": {"setting": c.setting, "predicted": c.predicted, "measured": speed}}
-            log.warning("serve setting at batch %d: %s was predicted x%.2f but measured x%.2f: plain decoding",
-                        b, c.setting, c.predicted, speed)
+            overruled = {"setting": c.setting, "predicted": c.predicted, "measured": speed}
+            setting, run = best_measured(b, plain, {**{f"{_label(_spec_of(*methods[n]))}:k={served_as[n]}": runs[n]
+                                                       for n in methods if n in runs}, **measured})
+            if run is None:
+                out[str(b)] |= {"setting": "plain", "predicted": 1.0, "measured": 1.0, "lossless": True}
+            else:  # another setting measured here (a method served with its own drafts) beat plain: that one
+                out[str(b)] |= {"setting": setting, "predicted": c.table.get(setting, {}).get("predicted", 1.0),
+                                "measured": run.tok_s[b] / plain.tok_s[b], "lossless": True}
+            out[str(b)]["overruled"] = overruled
+            log.warning("serve setting at batch %d: %s was predicted x%.2f but measured x%.2f: %s", b, c.setting,
+                        c.predicted, speed, out[str(b)]["setting"])
     return out
+
+
+def best_measured(batch: int, plain, runs: dict[str, Any]) -> tuple[str, Any]:
+    """The setting (name -> its served run) measured fastest at `batch`, lossless and at least as fast as plain
+    decoding; ("plain", None) when none is."""
+    fine = {s: r for s, r in runs.items() if r is not None and r.tok_s.get(batch, 0.0) >= plain.tok_s[batch]
+            and r.tokens_by_batch.get(batch) == plain.tokens_by_batch[batch]}
+    if not fine:
+        return "plain", None
+    best = max(fine, key=lambda s: fine[s].tok_s[batch])
+    return best, fine[best]
 
 
 def _label(sc: dict[str, Any]) -> str:
@@ -227,7 +245,8 @@ def render_choice(choice: dict[str, Any] | None) -> list[str]:
         lines.append(f"| {b} | {c['setting']} | x{c['predicted']:.2f} | x{c['measured']:.2f} | "
                      f"{'yes' if c['lossless'] else 'NO'} | {c['best_speculative']} (x{c['best_predicted']:.2f}) |")
     lines += [f"- batch {b}: {c['overruled']['setting']} was predicted x{c['overruled']['predicted']:.2f} and "
-              f"measured x{c['overruled']['measured']:.2f}, so the recommendation is plain decoding"
+              f"measured x{c['overruled']['measured']:.2f}, so the recommendation is "
+              + ("plain decoding" if c["setting"] == "plain" else f"{c['setting']}, measured faster than plain here")
               for b, c in choice.items() if c.get("overruled")]
     settings = sorted({s for c in choice.values() for s in c["table"]})
     lines += ["", "| setting | tau | " + " | ".join(f"predicted b{b}" for b in choice) + " |",
