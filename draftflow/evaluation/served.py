@@ -93,7 +93,10 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
 # How a proposer's drafting pass scales with the drafts k it is asked for (vLLM's method names), read from vLLM
 # 0.32's code: DFlash drafts in one pass of k+1 queries (the bonus token and k masks; v1/spec_decode/dflash.py,
 # any k >= 1 is accepted, the block size is never checked): "block", (k+1)/(K+1) of the measured pass; EAGLE-3
-# runs one pass per draft: "chain", k/K; n-gram lookup searches the prompt: "free".
+# runs one pass per draft: "chain", k/K; n-gram lookup searches the prompt: "free". What the parts do not carry:
+# on vLLM 0.32's CPU build a DFlash round at k = 1 cost 1.47 plain steps against k = 2's 1.24 (SmolLM2, batch 1,
+# repeated in either order; docs/results.md), so a prediction below the measured k can miss: the chosen setting is
+# served and measured, and one measured slower than plain gives way to `best_measured`.
 DRAFTING = serve_choice.DRAFTING
 
 
