@@ -239,16 +239,31 @@ def _end_children(grace_s: float = 5.0) -> None:
         # process has exited (its pipe closes): neither waited for nor killed (a killed one leaks and complains)
         return [pid for pid in found if b"multiprocessing.resource_tracker" not in _cmdline(pid)]
 
-    for sig, direct in ((signal.SIGTERM, True), (signal.SIGKILL, False)):
-        pids = below(direct)
-        for pid in pids:
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while pids and time.monotonic() < deadline and below(direct):
-            time.sleep(0.1)
+    # the whole tree is read before anything ends: a child that exits first orphans its own children (a vLLM engine
+    # core's workers), which are then no longer below this process (CI, 2026-12-06: a worker outlived a run by 3 min)
+    tree = below(False)
+    _signal_and_wait(below(True), signal.SIGTERM, grace_s)
+    _signal_and_wait(sorted(set(tree) | set(below(False))), signal.SIGKILL, grace_s)
+
+
+def _signal_and_wait(pids: list[int], sig: int, wait_s: float) -> None:
+    """Send `sig` to each of `pids`, then wait up to `wait_s` for all of them to have exited."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while pids and time.monotonic() < deadline and any(_exists(pid) for pid in pids):
+        time.sleep(0.1)
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is a process that has not exited (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _cmdline(pid: int) -> bytes:

@@ -1,0 +1,55 @@
+"""`flows.signals._end_children`, as a stopped run calls it: a child that exits at SIGTERM at once orphans its own
+children (a vLLM engine core's workers); they are still ended (CI, 2026-12-06: a worker outlived a run by 3 min)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# the child: starts a grandchild that ignores SIGTERM, says its pid, then waits (SIGTERM ends it at once)
+CHILD = textwrap.dedent("""
+    import subprocess, sys, time
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"
+    grandchild = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    grandchild.stdout.readline()
+    print(grandchild.pid, flush=True)
+    time.sleep(600)
+""")
+
+# the run: starts the child, reads the grandchild's pid, ends its children as a stopped run does, says the pid
+RUN = textwrap.dedent(f"""
+    import subprocess, sys
+    from flows.signals import _end_children
+    child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], stdout=subprocess.PIPE)
+    grandchild = int(child.stdout.readline())
+    _end_children(grace_s=2.0)
+    print(grandchild, flush=True)
+""")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_grandchild_orphaned_by_its_parent_exiting_at_sigterm_is_ended_too():
+    out = subprocess.run([sys.executable, "-c", RUN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    grandchild = int(out.stdout.split()[-1])
+    try:
+        end = time.monotonic() + 30  # SIGKILLed already: only its reaping is waited for
+        while _running(grandchild) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _running(grandchild), "the grandchild that ignores SIGTERM outlived the run"
+    finally:
+        if _running(grandchild):
+            os.kill(grandchild, signal.SIGKILL)
