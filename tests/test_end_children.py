@@ -1,5 +1,6 @@
-"""`flows.signals._end_children`, as a stopped run calls it: a child that exits at SIGTERM at once orphans its own
-children (a vLLM engine core's workers); they are still ended (CI, 2026-12-06: a worker outlived a run by 3 min)."""
+"""`flows.signals._end_children`, as a stopped run calls it: a child that exits at SIGTERM at once, or before, orphans
+its own children (a vLLM engine core's workers); they are still ended (CI, 2026-12-06: a worker outlived a run by
+over 3 min)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,12 +26,17 @@ CHILD = textwrap.dedent("""
     time.sleep(600)
 """)
 
-# the run: starts the child, reads the grandchild's pid, ends its children as a stopped run does, says the pid
+# the run (as `draftflow run` arms it: a subreaper): starts the child, reads the grandchild's pid, lets the child
+# end first when told (as vLLM's own shutdown ends its engine core), ends its children as a stopped run does
 RUN = textwrap.dedent(f"""
     import subprocess, sys
-    from flows.signals import _end_children
+    from flows.signals import _end_children, become_subreaper
+    become_subreaper()
     child = subprocess.Popen([sys.executable, "-c", {CHILD!r}], stdout=subprocess.PIPE)
     grandchild = int(child.stdout.readline())
+    if sys.argv[1] == "child-ends-first":
+        child.terminate()
+        child.wait()
     _end_children(grace_s=2.0)
     print(grandchild, flush=True)
 """)
@@ -41,8 +49,9 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_grandchild_orphaned_by_its_parent_exiting_at_sigterm_is_ended_too():
-    out = subprocess.run([sys.executable, "-c", RUN], cwd=ROOT, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("when", ["child-ends-at-sigterm", "child-ends-first"])
+def test_a_grandchild_orphaned_by_its_parent_exiting_is_ended_too(when):
+    out = subprocess.run([sys.executable, "-c", RUN, when], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     grandchild = int(out.stdout.split()[-1])
     try:
