@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.signals import _exists as _running
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # the child: starts a grandchild that ignores SIGTERM, says its pid, then waits (SIGTERM ends it at once)
@@ -40,13 +42,6 @@ RUN = textwrap.dedent(f"""
     _end_children(grace_s=2.0)
     print(grandchild, flush=True)
 """)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("when", ["child-ends-at-sigterm", "child-ends-first"])
