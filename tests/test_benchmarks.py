@@ -21,6 +21,7 @@ RUNS = {
     "regenerate": ["--engine", "hf", "--prompts", "2", "--max-new-tokens", "4", "--repeats", "1"],
     "evaluate": ["--kind", "both", "--tokens", "40", "--hidden", "32", "--window", "16"],
     "train_threads": ["--steps", "3", "--loads", "idle"],
+    "small_rows": ["configs/tiny.yaml", "--rows", "1,3", "--repeats", "2"],
 }
 
 

@@ -39,6 +39,7 @@ from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
 from draftflow.export_readme import described_target
 from draftflow.features import round_trip
+from draftflow.models.small_rows import use_small_rows
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
@@ -100,7 +101,7 @@ def load_drafter(store: Store, trained: StageResult, model):
             local = store.verify_sha(trained.stage, trained.fingerprint, s)
             (Path(folder) / Path(s.name).name).write_bytes(Path(local).read_bytes())
         arch = json.loads((Path(folder) / "config.json").read_text()).get("architecture")
-        return spec_for_architecture(arch).model.load(folder, model)
+        return use_small_rows(spec_for_architecture(arch).model.load(folder, model))
 
 
 def load_other(other: OtherDrafter, model, default_dtype: str) -> tuple[OtherDrafter, Any, Any]:
@@ -108,7 +109,7 @@ def load_other(other: OtherDrafter, model, default_dtype: str) -> tuple[OtherDra
     if other.folder is not None:
         from draftflow.drafters.registry import load_exported
 
-        drafter = load_exported(other.folder, model)
+        drafter = use_small_rows(load_exported(other.folder, model))
     else:
         store = Store(other.root)
         manifest = store.read_manifest(other.stage, other.fingerprint)
@@ -190,6 +191,7 @@ def run(store: Store, stamp: Stamp, cfg: RunConfig, target: TargetRef, curated: 
     from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
+    use_small_rows(model)  # verify and drafting passes carry a few rows: torch's CPU kernel for those is slow
     prompts, categories, n_eval, ids = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
                                                 cfg.evaluate)
     drafter = load_drafter(store, trained, model)

@@ -1,0 +1,49 @@
+"""SmallRowsLinear: the plain layer's outputs (to rounding) and gradients at every row count, the same state dict."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from draftflow.models.small_rows import FEW_ROWS, SmallRowsLinear, use_small_rows
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (3, 16), (1, 5, 16), (2, 3, 16), (7, 16), (8, 16), (2, 9, 16)])
+def test_outputs_and_gradients_equal_the_plain_layer(shape, bias):
+    torch.manual_seed(0)
+    plain = nn.Linear(16, 40, bias=bias)
+    fast = use_small_rows(nn.Linear(16, 40, bias=bias))
+    fast.load_state_dict(plain.state_dict())
+    x = torch.randn(*shape, requires_grad=True)
+    y_plain, y_fast = plain(x), fast(x)
+    assert y_fast.shape == y_plain.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(y_fast, y_plain, rtol=1e-5, atol=1e-5)
+    g_plain = torch.autograd.grad(y_plain.square().sum(), [x, plain.weight])
+    g_fast = torch.autograd.grad(y_fast.square().sum(), [x, fast.weight])
+    for a, b in zip(g_fast, g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_few_rows_take_the_transposed_product(monkeypatch):
+    """2-7 rows go through `W @ x.T` and never through F.linear; 1 and 8 rows keep F.linear."""
+    calls = []
+    real = nn.functional.linear
+    monkeypatch.setattr(nn.functional, "linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    layer = use_small_rows(nn.Linear(8, 4))
+    for rows in (1, 2, 7, 8):
+        calls.clear()
+        layer(torch.randn(rows, 8))
+        assert bool(calls) == (rows not in FEW_ROWS), rows
+
+
+def test_swap_keeps_state_dict_and_leaves_subclasses_alone():
+    class Custom(nn.Linear):
+        pass
+
+    model = nn.Sequential(nn.Linear(4, 4), Custom(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    keys = list(model.state_dict())
+    assert use_small_rows(use_small_rows(model)) is model  # idempotent
+    assert [type(m) for m in model.modules()][1:] == [SmallRowsLinear, Custom, nn.Sequential, SmallRowsLinear]
+    assert list(model.state_dict()) == keys
