@@ -135,6 +135,33 @@ def test_cached_greedy_equals_uncached_greedy(target, prompts):
         assert cached.greedy_generate_cached(target, p, 30, eos) == decode.greedy_generate(target, p, 30, eos)
 
 
+def test_greedy_along_reads_greedy_off_one_forward(target, prompts):
+    """A true greedy output comes back as it is (end ids and the cap included); every way of departing from greedy
+    comes back as greedy up to and including its own token at the first departure, so check_lossless names it."""
+    for p in prompts[:3]:
+        ref = cached.greedy_generate_cached(target, p, 30, set())
+        assert cached.greedy_along(target, p, ref, 30, set()) == ref
+        eos = {ref[7]}
+        cut = decode.greedy_generate(target, p, 30, eos)
+        assert cached.greedy_along(target, p, cut, 30, eos) == cut and len(cut) <= 8
+        assert cached.greedy_along(target, p, ref[:12], 12, set()) == ref[:12]  # ended by the cap
+    p = prompts[0]
+    ref = decode.greedy_generate(target, p, 30, set())
+    wrong = ref[:5] + [(ref[5] + 1) % MASK_ID] + ref[6:]
+    end = next(i for i in range(5, 30) if ref[i] not in ref[:i])  # an end id whose first occurrence is there
+    cases = {
+        "a different token": (wrong, set(), 30, 5),
+        "stopped early": (ref[:20], set(), 30, 20),
+        "went past an end id": (ref, {ref[end]}, 30, end + 1),
+        "went past the cap": (ref, set(), 25, 25),
+    }
+    for name, (spec, eos, cap, at) in cases.items():
+        got = cached.greedy_along(target, p, spec, cap, eos)
+        assert got == decode.greedy_generate(target, p, cap, eos)[: at + 1], name
+        with pytest.raises(LosslessError, match=f"generated position {at} "):
+            decode.check_lossless(0, spec, got)
+
+
 def test_evaluate_prompts_same_report_with_and_without_cache(target, trained, prompts):
     drafter = trained["dflash"]
     on = cached.evaluate_prompts(target, drafter, prompts, EvaluateConfig(max_new_tokens=16, num_prompts=3), set())

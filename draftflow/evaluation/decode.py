@@ -179,8 +179,10 @@ def evaluate_prompts(
             caller's: both models must already sit where they should run).
         eos_ids: token ids that end generation.
         round_features: the feature store's rounding (see `capture_taps`).
-        generate, reference: the speculative loop and the greedy reference (signatures of
-            `speculative_generate` and `greedy_generate`, which they default to).
+        generate: the speculative loop (the signature of `speculative_generate`, its default).
+        reference: greedy's output to check the speculative one against, called as
+            `reference(target, prompt, spec, max_new_tokens, eos_ids)`; by default `greedy_generate`'s
+            (which ignores `spec`); the cached path reads it off one forward (`cached.greedy_along`).
 
     Returns:
         tau (mean acceptance length over all steps), acceptance_rate (per k=1..B-1,
@@ -196,12 +198,12 @@ def evaluate_prompts(
     lengths: list[int] = []
     outputs, per_prompt, per_step = [], [], []
     drafter.eval()
-    generate, reference = generate or speculative_generate, reference or greedy_generate
+    generate, reference = generate or speculative_generate, reference or _greedy_reference
     chooser = threads.chooser_for(next(target.parameters()).device)  # CPU: the thread count, measured per prompt
     for i, prompt in enumerate(chosen):
         with threads.step(chooser) as work:  # later phases (baselines, DDTree) keep the count it chose
             spec, acc = generate(target, drafter, prompt, ecfg.max_new_tokens, eos_ids, round_features)
-            ref = reference(target, prompt, ecfg.max_new_tokens, eos_ids)
+            ref = reference(target, prompt, spec, ecfg.max_new_tokens, eos_ids)
             work.units = len(prompt) + len(spec)
         check_lossless(i, spec, ref)
         lengths += acc
@@ -216,6 +218,12 @@ def evaluate_prompts(
         "outputs": outputs,
         "accept_lengths": per_step,
     }
+
+
+def _greedy_reference(target, prompt_ids: list[int], spec: list[int], max_new_tokens: int,
+                      eos_ids: set[int]) -> list[int]:
+    """`evaluate_prompts`' default reference: a whole greedy decode (`spec` unused)."""
+    return greedy_generate(target, prompt_ids, max_new_tokens, eos_ids)
 
 
 def check_lossless(index: int, spec: list[int], ref: list[int]) -> None:

@@ -42,7 +42,7 @@ KILL_POINTS = {
               "file:train/*/manifest.json:1"],
     "evaluate": ["call:draftflow.evaluation.cached:speculative_generate_cached:1",  # evaluate.kv_cache (default)
                  "call:draftflow.evaluation.cached:propose_cached:3",
-                 "call:draftflow.evaluation.cached:greedy_generate_cached:2", "file:evaluate/*/report.json:1",
+                 "call:draftflow.evaluation.cached:greedy_along:2", "file:evaluate/*/report.json:1",
                  "file:evaluate/*/manifest.json:1"],
 }
 
