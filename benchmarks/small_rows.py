@@ -2,8 +2,8 @@
 `nn.Linear` (the baseline every ratio is against, measured in the same run) against `SmallRowsLinear`.
 
 For each row count it feeds that many positions after a 200-token prefix, crops them off again, and prints the
-milliseconds per forward of both and their ratio; then one greedy decode and one speculative decode of the
-config's first eval-length prompt, tokens compared (the swap changes rounding, not the greedy tokens here):
+milliseconds per forward of both and their ratio; then whether a 48-token greedy decode gives the same tokens
+with and without the swap (it changes rounding):
 
     python -m benchmarks.small_rows configs/smollm2.yaml [--rows 1,2,3,4,8] [--repeats 20]
 
@@ -46,15 +46,16 @@ def main() -> None:
 
     from draftflow.config import load_config
     from draftflow.evaluation.cached import greedy_generate_cached
-    from draftflow.models.small_rows import SmallRowsLinear
+    from draftflow.small_rows import SmallRowsLinear
     from draftflow.target import load_target, resolve_target
 
     cfg = load_config(args.config, [])
-    swapped, _ = load_target(resolve_target(cfg.target).path, cfg.target.dtype, "cpu")
+    swapped, _ = load_target(resolve_target(cfg.target).path, cfg.target.dtype, "cpu")  # swapped on the CPU
+    assert any(type(m) is SmallRowsLinear for m in swapped.modules()), "load_target no longer swaps"
     plain = copy.deepcopy(swapped)
     for sub in plain.modules():
         if type(sub) is SmallRowsLinear:
-            sub.__class__ = torch.nn.Linear
+            sub.__class__ = torch.nn.Linear  # the baseline: torch's own layer
     for rows in (int(r) for r in args.rows.split(",")):
         base = per_forward_ms(plain, rows, args.repeats)
         fast = per_forward_ms(swapped, rows, args.repeats)

@@ -286,14 +286,11 @@ _LOAD_LOCK = threading.Lock()
 
 
 def load_target(path: str, dtype: str = "auto", device: str = "auto"):
-    """Load (once per process) the target model in eval mode with its tokenizer.
+    """Load (once per process) the target model in eval mode with its tokenizer: (model, tokenizer). On the CPU
+    its linear layers are `draftflow.small_rows.SmallRowsLinear` (fast for the few rows of a verify step).
 
-    Loading is serialized: transformers builds models under a process-wide
-    meta-device context, so a second thread constructing a model at the same
-    time would get meta tensors.
-
-    Returns:
-        (model, tokenizer)
+    Loading is serialized: transformers builds models under a process-wide meta-device context, so a second
+    thread constructing a model at the same time would get meta tensors.
     """
     with _LOAD_LOCK:
         return _load_target(path, dtype, resolve_device(device))
@@ -342,6 +339,8 @@ def _load_target(path: str, dtype: str, device: str):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from draftflow.small_rows import use_small_rows
+
     torch_dtype = {
         "auto": torch.bfloat16 if device.startswith("cuda") else torch.float32,
         "float32": torch.float32,
@@ -361,6 +360,8 @@ def _load_target(path: str, dtype: str, device: str):
     model = model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    if device == "cpu":  # verify and drafting passes carry a few rows: torch's CPU kernel for those is slow
+        use_small_rows(model)
     return model, tokenizer
 
 

@@ -1,4 +1,5 @@
-"""SmallRowsLinear: the plain layer's outputs (to rounding) and gradients at every row count, the same state dict."""
+"""SmallRowsLinear: the plain layer's outputs (to rounding) and gradients at every row count, the same state dict,
+and every target loaded on the CPU has it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from draftflow.models.small_rows import FEW_ROWS, SmallRowsLinear, use_small_rows
+from draftflow.small_rows import FEW_ROWS, SmallRowsLinear, use_small_rows
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -47,3 +48,11 @@ def test_swap_keeps_state_dict_and_leaves_subclasses_alone():
     assert use_small_rows(use_small_rows(model)) is model  # idempotent
     assert [type(m) for m in model.modules()][1:] == [SmallRowsLinear, Custom, nn.Sequential, SmallRowsLinear]
     assert list(model.state_dict()) == keys
+
+
+def test_cpu_targets_load_with_the_swap(tiny_target):
+    from draftflow.target import load_target
+
+    model, _ = load_target(tiny_target.path, "float32", "cpu")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is SmallRowsLinear for m in linears)

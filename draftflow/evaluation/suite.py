@@ -8,9 +8,9 @@ categories so each keeps a share), `split_stats` cuts one run's per-step accepta
 `draftflow.evaluation.baselines` through the drafter's loop (KV-cached unless `evaluate.kv_cache`
 is false), checked against the drafter's (lossless) outputs.
 
-What it does not know: stores, manifests, report text. Trade-off: each drafting baseline costs about one
-greedy decode per prompt, which is what the drafter's own lossless check already pays; no_draft
-costs nothing (it is that greedy decode); the speedup timings add a few dozen forwards.
+What it does not know: stores, manifests, report text. Trade-off: each drafting baseline costs one speculative
+decode per prompt (its rounds; checked against the drafter's outputs, so no greedy decode); no_draft costs
+nothing (its figures follow from those outputs: τ 1); the speedup timings add a few dozen forwards.
 """
 
 from __future__ import annotations

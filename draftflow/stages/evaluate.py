@@ -39,7 +39,7 @@ from draftflow.evaluation.summary import draw_plots, headline
 from draftflow.evaluation.summary import markdown as evaluation_markdown
 from draftflow.export_readme import described_target
 from draftflow.features import round_trip
-from draftflow.models.small_rows import use_small_rows
+from draftflow.small_rows import use_small_rows
 from draftflow.stages.common import finalize
 from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef, eos_token_ids, load_target
@@ -191,7 +191,6 @@ def run(store: Store, stamp: Stamp, cfg: RunConfig, target: TargetRef, curated: 
     from draftflow.evaluation.cached import evaluate_prompts  # KV-cached unless evaluate.kv_cache is false
 
     model, tokenizer = load_target(target.path, cfg.target.dtype, cfg.evaluate.device)
-    use_small_rows(model)  # verify and drafting passes carry a few rows: torch's CPU kernel for those is slow
     prompts, categories, n_eval, ids = eval_set(store, curated, ChatFormat(tokenizer), cfg.regenerate.enable_thinking,
                                                 cfg.evaluate)
     drafter = load_drafter(store, trained, model)

@@ -7,13 +7,16 @@ AVX-512, no AMX, float32), SmolLM2-135M's 49,152 x 576 LM head took 10 ms for 1 
 ms for 3, but 4.6 ms as `W @ x.T` for 2 or 3 rows; a whole SmolLM2 forward of 3 positions with a KV cache
 went from ~115 ms to ~60 ms, of 1 position unchanged (`benchmarks/small_rows.py` prints both).
 
+Every target loaded on the CPU has it (`draftflow.target.load_target`), whichever stage loads it first, so a
+stage's numbers never depend on what ran before it in the process; evaluate swaps its loaded drafters too.
+
 What it does not know: which model it is in (it swaps the class of every `nn.Linear` below a module), GPUs
 (CUDA's kernels handle few rows well: it changes nothing off the CPU), training (many rows: the plain path).
 
 Key trade-off: the transposed product sums in another order, so a swapped layer's output equals the plain
 one only up to float rounding, as a cached forward already differs from an uncached one
-(`draftflow.evaluation.cached`). Greedy decoding and speculative verification both go through the swapped
-layers, so the lossless check still compares like with like.
+(`draftflow.evaluation.cached`): a verify step of 2-7 positions and the lossless check's one forward over the
+whole output (plain path) agree up to rounding, so a near-tie argmax could still flip (never seen in fp32).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ class SmallRowsLinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if x.device.type != "cpu" or rows not in FEW_ROWS:
             return super().forward(x)
-        y = (self.weight @ x.reshape(rows, -1).t()).t()  # (out, in) @ (in, rows) -> (rows, out)
+        y = (self.weight @ x.reshape(rows, -1).t()).t().contiguous()  # (out, in) @ (in, rows) -> (rows, out)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
