@@ -27,6 +27,11 @@ from torch import nn
 # Row counts that take the transposed product. 1 row is already one fast matrix-vector product, and from 8 rows
 # torch's own matrix-matrix kernel is at least as fast (measured as above: 8 rows 84-114 ms either way).
 FEW_ROWS = range(2, 8)
+# Only weights of at least this many elements (1 MiB in float32) are swapped: a smaller one stays in the core's
+# cache, where reading it once per row is cheap and the plain layer was faster (the tiny demo target's 64-wide
+# layers at 1 thread: 7 us against 18 us), while SmolLM2's whole forward of 2-3 positions, read from memory,
+# ran ~1.5-2x faster with every layer of 1 MiB or more swapped, at 1 thread as at 2.
+MIN_WEIGHT = 1 << 18
 
 
 class SmallRowsLinear(nn.Linear):
@@ -42,8 +47,9 @@ class SmallRowsLinear(nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
-def use_small_rows(module: nn.Module) -> nn.Module:
-    """Swap every plain `nn.Linear` below `module` (itself included) for `SmallRowsLinear`, in place.
+def use_small_rows(module: nn.Module, min_weight: int = MIN_WEIGHT) -> nn.Module:
+    """Swap every plain `nn.Linear` below `module` (itself included) whose weight has at least `min_weight`
+    elements for `SmallRowsLinear`, in place.
 
     Only exact `nn.Linear` instances change (a subclass keeps its own forward). Idempotent.
 
@@ -51,6 +57,6 @@ def use_small_rows(module: nn.Module) -> nn.Module:
         module, for chaining.
     """
     for sub in module.modules():
-        if type(sub) is nn.Linear:
+        if type(sub) is nn.Linear and sub.weight.numel() >= min_weight:
             sub.__class__ = SmallRowsLinear
     return module
