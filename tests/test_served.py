@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from draftflow.engines.vllm_serve import ServedResult, ServeJob, decode_timed
-from draftflow.evaluation import served
+from draftflow.evaluation import serve_choice, served
 
 VLLM = SimpleNamespace(SamplingParams=lambda **kw: kw)
 
@@ -176,3 +176,38 @@ def test_served_falls_back_to_the_drafter_with_its_own_drafts_when_that_measured
     assert (b1["setting"], b1["measured"]) == ("dflash:k=3", pytest.approx(1.05))
     assert b1["overruled"]["setting"] == "dflash:k=1" and b1["overruled"]["measured"] == pytest.approx(0.7)
     assert record["choice"]["8"]["setting"] == "plain"
+
+
+def test_an_overruled_choice_serves_the_runner_up_prediction_before_falling_back(monkeypatch, tmp_path):
+    """2026-12-06 on SmolLM2: one draft measured slower than plain for both kinds although predicted faster. Here
+    the drafter (tau 1.92 at 12 tok/s with its 3 drafts, acceptance 0.6/0.3/0.02) is predicted fastest at k = 2
+    (x1.333), which serves at 7 tok/s (x0.70): the runner-up k = 1 (x1.28, not yet measured; k = 3 was, as the
+    method) is served too, at 13 tok/s, and recommended with its own prediction."""
+    export = tmp_path / "export"
+    export.mkdir()
+    monkeypatch.setattr("draftflow.engines.vllm_serve.speculative_config",
+                        lambda e: {"method": "dflash", "model": str(e), "num_speculative_tokens": 3})
+    drafter = ServedResult("d", [[1, 2]], 1.92, [0.6, 0.3, 0.02], 10, 9, [], {1: 12.0, 8: 30.0}, TOKS)
+    by_k = {2: 7.0, 1: 13.0}
+    served_with = []
+
+    def fake_serve(job, export_dir=None, spec=None):
+        if export_dir is None and spec is None:
+            return PLAIN
+        served_with.append(None if spec is None else spec["num_speculative_tokens"])
+        if spec is None:
+            return drafter
+        return ServedResult("k", [[1, 2]], 1.5, [0.5], 5, 2, [], {1: by_k[spec["num_speculative_tokens"]], 8: 20.0},
+                            TOKS)
+
+    monkeypatch.setattr(served, "serve_with_vllm", fake_serve)
+    job = ServeJob("t", [[0]], 8, [2], None, "float32", (1, 8), ("chat",), probe_positions=4)
+    record, _ = served.measure(job, {"dflash": (export, None)}, greedy=[[1, 2]])
+    b1 = record["choice"]["1"]
+    assert served_with == [None, 2, 1]  # the method, the first choice, the runner-up; nothing at batch 8
+    assert b1["overruled"] == {"setting": "dflash:k=2", "predicted": pytest.approx(1.3333, abs=1e-4),
+                               "measured": pytest.approx(0.7)}
+    assert (b1["setting"], b1["predicted"], b1["measured"]) == ("dflash:k=1", pytest.approx(1.28, abs=1e-4),
+                                                               pytest.approx(1.3))
+    assert record["choice"]["8"]["setting"] == "plain"
+    assert served.runner_up(serve_choice.choose([], serve_choice.Costs(0.1, {1: 0.1})), set()) is None

@@ -137,9 +137,9 @@ def plain_step(plain, batch: int) -> float:
 def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] | None]], plain,
                      runs: dict[str, Any]) -> dict[str, Any]:
     """Per batch size: the setting predicted fastest (`serve_choice.choose`) from the costs measured here,
-    then that setting served and measured (settings already measured are not served twice)."""
-    from draftflow.engines.vllm_serve import with_drafts
-
+    then that setting served and measured (settings already measured are not served twice); one measured slower
+    than plain decoding: the runner-up prediction served too (`runner_up`), then the fastest setting measured at
+    least as fast as plain (`best_measured`), else plain."""
     choices: dict[int, serve_choice.Choice] = {}
     costs: dict[int, dict[str, Any]] = {}
     for b in job.batches:
@@ -149,21 +149,17 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
         costs[b] = {"step_s": plain_step(plain, b), "verify_s": verify,  # what the prediction read
                     "proposers": {p.name: {"drafting_share": p.drafting_share, "draft_s": p.draft_s,
                                            "overhead_s": p.overhead_s} for p in proposers}}
-    chosen: dict[str, tuple[str, int]] = {}  # setting -> (method name, drafts), each setting once
-    for c in choices.values():
-        if c.setting != "plain" and c.setting not in chosen:
-            chosen[c.setting] = (next(n for n, m in methods.items() if _label(_spec_of(*m)) == c.proposer), c.drafts)
+    chosen = {c.setting: _method_of(methods, c.setting) for c in choices.values() if c.setting != "plain"}
     served_as = {n: int(_spec_of(*methods[n])["num_speculative_tokens"]) for n in methods}
     again = [s for s, (name, k) in chosen.items() if k != served_as[name]]
     progress.tick("evaluate", fewer=len(job.batches) - len(again))  # `serve_exports` counted one per batch size
-    measured: dict[str, Any] = {}
-    for setting, (name, k) in chosen.items():
-        if k == served_as[name]:  # already measured as its method
-            measured[setting] = runs[name]
-        else:
-            measured[setting] = serve_with_vllm(job, methods[name][0], with_drafts(_spec_of(*methods[name]), k))
-            progress.tick("evaluate")
-        log.info("served the chosen %s: tokens/s %s", setting, measured[setting].tok_s)
+    measured = _serve_settings(job, methods, runs, served_as, chosen, tick=True)
+    # A first choice measured slower than plain: the runner-up prediction is served once before any fallback
+    # (vLLM 0.32's CPU build runs one draft slower than its parts say, for DFlash and EAGLE-3 alike).
+    as_methods = {f"{_label(_spec_of(*methods[n]))}:k={served_as[n]}": runs[n] for n in methods if n in runs}
+    slower = [c for b, c in choices.items() if c.setting in measured and measured[c.setting].tok_s[b] < plain.tok_s[b]]
+    tries = {s: _method_of(methods, s) for s in (runner_up(c, set(measured) | set(as_methods)) for c in slower) if s}
+    measured |= _serve_settings(job, methods, runs, served_as, tries, tick=False)
     out = {}
     for b, c in choices.items():
         run = measured.get(c.setting)
@@ -174,8 +170,7 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
                        "table": c.table, "costs": costs[b]}
         if speed < 1.0:  # the measurement overrules the prediction: never recommend what was measured slower
             overruled = {"setting": c.setting, "predicted": c.predicted, "measured": speed}
-            setting, run = best_measured(b, plain, {**{f"{_label(_spec_of(*methods[n]))}:k={served_as[n]}": runs[n]
-                                                       for n in methods if n in runs}, **measured})
+            setting, run = best_measured(b, plain, as_methods | measured)
             if run is None:
                 out[str(b)] |= {"setting": "plain", "predicted": 1.0, "measured": 1.0, "lossless": True}
             else:  # another setting measured here (a method served with its own drafts) beat plain: that one
@@ -185,6 +180,38 @@ def choose_and_serve(job: ServeJob, methods: dict[str, tuple[Path | None, dict[s
             log.warning("serve setting at batch %d: %s was predicted x%.2f but measured x%.2f: %s", b, c.setting,
                         c.predicted, speed, out[str(b)]["setting"])
     return out
+
+
+def _serve_settings(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] | None]], runs: dict[str, Any],
+                    served_as: dict[str, int], settings: dict[str, tuple[str, int]], tick: bool) -> dict[str, Any]:
+    """Each setting (-> (method name, drafts)) measured: a method's run where it was served with those drafts,
+    else one more engine."""
+    from draftflow.engines.vllm_serve import with_drafts
+
+    measured: dict[str, Any] = {}
+    for setting, (name, k) in settings.items():
+        if k == served_as[name]:  # already measured as its method
+            measured[setting] = runs[name]
+        else:
+            measured[setting] = serve_with_vllm(job, methods[name][0], with_drafts(_spec_of(*methods[name]), k))
+            if tick:
+                progress.tick("evaluate")
+        log.info("served the chosen %s: tokens/s %s", setting, measured[setting].tok_s)
+    return measured
+
+
+def _method_of(methods: dict[str, tuple[Path | None, dict[str, Any] | None]], setting: str) -> tuple[str, int]:
+    """(the method's name, drafts) of a setting `<proposer>:k=<k>`."""
+    proposer, k = setting.split(":k=")
+    return next(n for n, m in methods.items() if _label(_spec_of(*m)) == proposer), int(k)
+
+
+def runner_up(choice: serve_choice.Choice, measured: set[str]) -> str | None:
+    """The setting predicted fastest after `choice.setting` among those not yet measured, if it is predicted to
+    beat plain decoding by `serve_choice.MARGIN`; else None."""
+    left = {s: v["predicted"] for s, v in choice.table.items()
+            if s != choice.setting and s not in measured and v["predicted"] >= serve_choice.MARGIN}
+    return max(left, key=lambda s: (left[s], -int(s.rsplit("=", 1)[1]))) if left else None
 
 
 def best_measured(batch: int, plain, runs: dict[str, Any]) -> tuple[str, Any]:
