@@ -96,7 +96,8 @@ def measure(job: ServeJob, methods: dict[str, tuple[Path | None, dict[str, Any] 
 # runs one pass per draft: "chain", k/K; n-gram lookup searches the prompt: "free". What the parts do not carry:
 # on vLLM 0.32's CPU build a DFlash round at k = 1 cost 1.47 plain steps against k = 2's 1.24 (SmolLM2, batch 1,
 # repeated in either order; docs/results.md), so a prediction below the measured k can miss: the chosen setting is
-# served and measured, and one measured slower than plain gives way to `best_measured`.
+# served and measured, and one measured slower than plain gives way to the runner-up (`runner_up`, served too),
+# then to `best_measured`. EAGLE-3 at k = 1 did the same on 2026-12-06.
 DRAFTING = serve_choice.DRAFTING
 
 
