@@ -106,11 +106,18 @@ def choose(proposers: list[Proposer], costs: Costs, margin: float = MARGIN) -> C
                                             "predicted": round(predict(p, costs, k), 4)}
     if not table:
         return Choice("plain", 1.0, "none", 0.0, table)
-    best = max(table, key=lambda s: (table[s]["predicted"], -int(s.rsplit("=", 1)[1])))  # ties: fewer drafts
+    best = fastest(table)
     best_x = table[best]["predicted"]
     if best_x >= margin:
         return Choice(best, best_x, best, best_x, table)
     return Choice("plain", 1.0, best, best_x, table)
+
+
+def fastest(table: dict[str, dict[str, float]], skip: set[str] = frozenset()) -> str | None:
+    """The setting of `table` (setting -> {"predicted": speedup, ...}) predicted fastest, leaving out `skip`; ties go
+    to fewer drafts. None when nothing is left."""
+    left = [s for s in table if s not in skip]
+    return max(left, key=lambda s: (table[s]["predicted"], -int(s.rsplit("=", 1)[1])), default=None)
 
 
 def advice(choice: dict[str, dict] | None) -> str | None:

@@ -210,9 +210,8 @@ def _method_of(methods: dict[str, tuple[Path | None, dict[str, Any] | None]], se
 def runner_up(choice: serve_choice.Choice, measured: set[str]) -> str | None:
     """The setting predicted fastest after `choice.setting` among those not yet measured, if it is predicted to
     beat plain decoding by `serve_choice.MARGIN`; else None."""
-    left = {s: v["predicted"] for s, v in choice.table.items()
-            if s != choice.setting and s not in measured and v["predicted"] >= serve_choice.MARGIN}
-    return max(left, key=lambda s: (left[s], -int(s.rsplit("=", 1)[1]))) if left else None
+    best = serve_choice.fastest(choice.table, measured | {choice.setting})
+    return best if best is not None and choice.table[best]["predicted"] >= serve_choice.MARGIN else None
 
 
 def best_measured(batch: int, plain, runs: dict[str, Any]) -> tuple[str, Any]:
