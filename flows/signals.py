@@ -204,12 +204,25 @@ def end_now(line: str, code: int) -> None:
     from draftflow.runlock import release_all
 
     with _ENDING:
-        print(line, file=sys.stderr)
+        _last_words(line)
         release_all()
         _end_children()
-        sys.stdout.flush()
-        sys.stderr.flush()
         os._exit(code)
+
+
+def _last_words(line: str) -> None:
+    """Write `line` to stderr as the last thing this process writes: stdout and stderr go to /dev/null first, so a
+    thread still running (a shard's progress line, CI 2026-12-06) cannot print after it while the children end."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    stderr = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)
+    os.write(stderr, f"{line}\n".encode())
 
 
 _ENDING = threading.Lock()  # one thread ends the process; another that gets here waits for its exit

@@ -57,3 +57,32 @@ def test_a_grandchild_orphaned_by_its_parent_exiting_is_ended_too(when):
     finally:
         if _running(grandchild):
             os.kill(grandchild, signal.SIGKILL)
+
+
+# a run whose shard thread keeps printing progress while it is ended (its child ignores SIGTERM, so ending it takes
+# the whole grace): nothing the process writes comes after the one line
+ENDS = textwrap.dedent("""
+    import subprocess, sys, threading, time
+    from flows.signals import end_now
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    child.stdout.readline()
+
+    def chatter():
+        while True:
+            print("progress: regenerate", file=sys.stderr, flush=True)
+            print("a result", flush=True)
+            time.sleep(0.01)
+
+    threading.Thread(target=chatter, daemon=True).start()
+    time.sleep(0.2)
+    end_now("draftflow: interrupted (SIGTERM); re-run the same command to resume", 143)
+""")
+
+
+def test_the_one_line_is_the_last_thing_a_run_that_is_ended_writes():
+    out = subprocess.run([sys.executable, "-c", ENDS], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 143, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1].startswith("draftflow: interrupted (SIGTERM)"), out.stderr[-2000:]
+    assert out.stderr.count("draftflow: interrupted") == 1 and "progress: regenerate" in out.stderr
+    assert "a result" in out.stdout
