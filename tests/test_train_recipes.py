@@ -77,18 +77,27 @@ def test_dflash_layers_start_as_the_targets_last_layers(target, dcfg):
     assert not torch.equal(drafter.fc.weight[:, :64], drafter.fc.weight[:, :64] * 0)  # fc keeps its own init
 
 
-def test_eagle3_copies_what_fits_and_leaves_its_wider_attention_inputs(target):
+def test_eagle3_copies_what_fits_and_maps_its_wider_attention_inputs_and_fc(target):
+    """q/k/v read [embedding, hidden]: their hidden half starts as the target layer's, the embedding half keeps its
+    own init; fc starts as the identity on the deepest tap, so the layer first reads that tap as its hidden."""
     ecfg = Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=[1, 2, 3]), 64)
     d2t = torch.zeros(64, dtype=torch.int64)  # offsets: draft id i is token i + d2t[i]
     t2d = torch.zeros(target.config.vocab_size, dtype=torch.bool)
     t2d[:64] = True
     drafter = Eagle3Drafter(ecfg, target, d2t, t2d)
-    q_before = drafter.midlayer.self_attn.q_proj.weight.clone()
+    D, last = ecfg.hidden_size, target.model.layers[-1]
+    attn_before = {n: getattr(drafter.midlayer.self_attn, n).weight.clone() for n in ("q_proj", "k_proj", "v_proj")}
     copied = set(init_from_target_layers(drafter, target))
-    assert {"0.mlp.up_proj.weight", "0.self_attn.o_proj.weight", "0.post_attention_layernorm.weight"} <= copied
-    assert "0.self_attn.q_proj.weight" not in copied  # reads 2 x hidden: no target tensor has its shape
-    assert torch.equal(drafter.midlayer.self_attn.q_proj.weight, q_before)
-    assert torch.equal(drafter.midlayer.mlp.up_proj.weight, target.model.layers[-1].mlp.up_proj.weight)
+    assert {"0.mlp.up_proj.weight", "0.self_attn.o_proj.weight", "0.post_attention_layernorm.weight",
+            "0.hidden_norm.weight", "0.self_attn.q_proj.weight (hidden half)"} <= copied
+    for name, before in attn_before.items():
+        mine = getattr(drafter.midlayer.self_attn, name).weight
+        assert torch.equal(mine[:, D:], getattr(last.self_attn, name).weight), name
+        assert torch.equal(mine[:, :D], before[:, :D]), name  # the embedding half: no target tensor reads it
+    assert torch.equal(drafter.midlayer.hidden_norm.weight, last.input_layernorm.weight)
+    assert torch.equal(drafter.midlayer.mlp.up_proj.weight, last.mlp.up_proj.weight)
+    taps = torch.randn(2, 5, 3 * D)
+    assert torch.equal(drafter.fc(taps), taps[..., 2 * D:])  # the deepest tap (layer 3), unchanged
 
 
 def test_init_from_target_changes_the_run_and_is_recorded_for_resume(tmp_path, target, dcfg, samples):

@@ -34,6 +34,11 @@ class SharedTargetDrafter(nn.Module):
         found = getattr(self, self.decoder_prefix)
         return list(found) if isinstance(found, nn.ModuleList) else [found]
 
+    def init_beyond_names(self, sources: list[nn.Module]) -> list[str]:
+        """What a kind starts from its target beyond the tensors of matching name and shape (`init_from_target_layers`
+        copies those first; `sources` are the target layers its own layers start as). Returns what it set."""
+        return []
+
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """Every drafter weight and buffer except the shared target modules."""
         return {k: v for k, v in self.state_dict().items() if not k.startswith(self.shared_prefixes)}
@@ -55,11 +60,12 @@ def init_from_target_layers(drafter: SharedTargetDrafter, target_model: nn.Modul
 
     Drafter layer i of n takes target layer N-n+i; within a layer every tensor whose name and shape
     match is copied (DFlash: all but the q/k norms a Llama target lacks; EAGLE-3: o_proj, the MLP
-    and the norms, its q/k/v read 2 x hidden). On SmolLM2-135M this took a 2-layer DFlash drafter
-    from 21% to 41% slot-1 accuracy at 600 steps on the same data (README, 2026-12-02).
+    and the norms, its q/k/v read 2 x hidden), then what the kind maps itself (`init_beyond_names`). On
+    SmolLM2-135M this took a 2-layer DFlash drafter from 21% to 41% slot-1 accuracy at 600 steps on the same data
+    (README, 2026-12-02).
 
     Returns:
-        The copied tensor names, prefixed by the drafter's layer index ("0.mlp.up_proj.weight").
+        The copied tensor names, prefixed by the drafter's layer index ("0.mlp.up_proj.weight"), then the kind's.
     """
     target_layers = list(_target_decoder(target_model).layers)
     mine = drafter.decoder_layers()
@@ -71,6 +77,7 @@ def init_from_target_layers(drafter: SharedTargetDrafter, target_model: nn.Modul
                 if name in theirs and theirs[name].shape == tensor.shape:
                     tensor.copy_(theirs[name].to(tensor.dtype))
                     copied.append(f"{i}.{name}")
+        copied += drafter.init_beyond_names(target_layers[-len(mine):])
     return copied
 
 
