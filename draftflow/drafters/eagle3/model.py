@@ -177,7 +177,7 @@ class Eagle3Drafter(SharedTargetDrafter):
         """What the target gives an EAGLE-3 layer beyond the tensors of matching name and shape (draftflow's choice):
         `fc` starts as the identity on the deepest tap (zero on the others), the hidden half of q/k/v as the target
         layer's q/k/v and `hidden_norm` as its input norm, so the first drafts start as that target layer applied to
-        the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 -> 1.430, docs/results.md).
+        the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 -> 1.429, docs/results.md).
         Skipped where the widths differ (a target wider than the drafter)."""
         D, source = self.config.hidden_size, sources[-1]
         attn, theirs = self.midlayer.self_attn, getattr(source, "self_attn", None)
