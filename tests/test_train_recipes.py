@@ -100,6 +100,15 @@ def test_eagle3_copies_what_fits_and_maps_its_wider_attention_inputs_and_fc(targ
     assert torch.equal(drafter.fc(taps), taps[..., 2 * D:])  # the deepest tap (layer 3), unchanged
 
 
+def test_eagle3_leaves_its_own_init_where_the_target_layer_is_not_llama_shaped(target):
+    ecfg = Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=[1, 2, 3]), 64)
+    drafter = Eagle3Drafter(ecfg, target, torch.zeros(64, dtype=torch.int64),
+                            torch.arange(target.config.vocab_size) < 64)
+    fc = drafter.fc.weight.clone()
+    assert drafter.init_beyond_names([torch.nn.Linear(4, 4)]) == []  # no self_attn, no input_layernorm
+    assert torch.equal(drafter.fc.weight, fc)
+
+
 def test_init_from_target_changes_the_run_and_is_recorded_for_resume(tmp_path, target, dcfg, samples):
     a = train_drafter(samples, target, dcfg, tcfg(max_steps=5, init_from_target=True), str(tmp_path / "a"))
     b = train_drafter(samples, target, dcfg, tcfg(max_steps=5), str(tmp_path / "b"))

@@ -178,19 +178,20 @@ class Eagle3Drafter(SharedTargetDrafter):
         `fc` starts as the identity on the deepest tap (zero on the others), the hidden half of q/k/v as the target
         layer's q/k/v and `hidden_norm` as its input norm, so the first drafts start as that target layer applied to
         the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 -> 1.429, docs/results.md).
-        Skipped where the widths differ (a target wider than the drafter)."""
-        D, source = self.config.hidden_size, sources[-1]
-        attn, theirs = self.midlayer.self_attn, getattr(source, "self_attn", None)
-        if theirs is None or any(getattr(theirs, n).weight.shape != (getattr(attn, n).out_features, D)
-                                 for n in ("q_proj", "k_proj", "v_proj")) or self.fc.in_features != 3 * D:
+        Skipped where the widths differ (a target wider than the drafter) or the layer is not Llama-shaped."""
+        D, source, names = self.config.hidden_size, sources[-1], ("q_proj", "k_proj", "v_proj")
+        mine = {n: getattr(self.midlayer.self_attn, n).weight for n in names}
+        theirs = {n: getattr(getattr(source, "self_attn", None), n, None) for n in names}
+        norm = getattr(source, "input_layernorm", None)
+        if (norm is None or self.fc.in_features != 3 * D
+                or any(t is None or t.weight.shape != (mine[n].shape[0], D) for n, t in theirs.items())):
             return []
         self.fc.weight.zero_()
         self.fc.weight[:, 2 * D:].copy_(torch.eye(D))  # taps are validated ascending: the last is the deepest
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(attn, name).weight[:, D:].copy_(getattr(theirs, name).weight)  # [embedding half, hidden half]
-        self.midlayer.hidden_norm.weight.copy_(source.input_layernorm.weight)
-        return ["fc.weight (identity on the deepest tap)", *(f"0.self_attn.{n}.weight (hidden half)"
-                                                            for n in ("q_proj", "k_proj", "v_proj")),
+        for name in names:
+            mine[name][:, D:].copy_(theirs[name].weight)  # [embedding half, hidden half]
+        self.midlayer.hidden_norm.weight.copy_(norm.weight)
+        return ["fc.weight (identity on the deepest tap)", *(f"0.self_attn.{n}.weight (hidden half)" for n in names),
                 "0.hidden_norm.weight"]
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
