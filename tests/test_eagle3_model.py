@@ -292,8 +292,40 @@ def test_measured_unroll_trains_only_the_steps_decoding_reaches(samples, ecfg, d
     assert measured.weight(b) == pytest.approx(float(b.supervised[0, 0].sum()) + 0.3 * float(b.supervised[0, 1].sum()))
     stats = measured.loss(drafter, b)
     assert stats.correct.shape == stats.valid.shape == (K,) and stats.valid[2] == 0 < stats.valid[1]
-    held = measured.heldout_batch(sample, 0)  # held-out measurements always unroll every step
+    held = measured.heldout_batch(sample, 0)  # held-out batches hold every step
     assert held.step_ids.shape[1] == K and measured.loss(drafter, held).valid[K - 1] > 0
+
+
+def test_the_pruned_unroll_counts_what_the_whole_unroll_accepts(drafter, samples):
+    # the target's choice agrees with the drafter's own argmax at ~70% of the slots, so rows accept 0..K drafts
+    g, seen = torch.Generator().manual_seed(3), Counter()
+    for sample in samples:
+        b = make_eagle3_batch(sample, K)
+        own = torch.stack([lg.argmax(-1) for lg in drafter.unroll(b.feats, b.step_ids, b.pos)], dim=1)  # (1, K, R)
+        choice = torch.where(torch.rand(own.shape, generator=g) < 0.7, own, (own + 1) % VD)
+        want = ((own == choice) & b.supervised)[0].int().cumprod(0).sum(0)[b.supervised[0, 0]]
+        got = drafter.leading(b.feats, b.step_ids, b.pos, choice, b.supervised)
+        assert torch.equal(got, want)
+        seen.update(got.tolist())
+    assert set(seen) == set(range(K + 1))  # every depth, so the pruning was exercised
+
+
+def test_held_out_acceptance_by_the_pruned_unroll_equals_the_losss_count(drafter, samples, ecfg):
+    objective = Eagle3Objective(ecfg, tcfg())
+    total = 0
+    for j, sample in enumerate(samples):
+        with torch.no_grad():  # the target's final state made the drafter's own step-0 state: step 0 mostly accepts
+            b = objective.heldout_batch(sample, j)
+            mask = ttt_attention_mask(b.feats.shape[1], 0)[None]
+            state, _ = drafter.step(b.step_ids[:, 0], drafter.fc(b.feats), b.pos, [], mask)
+            hidden = sample.hidden.clone()
+            hidden[1:, 3] = drafter.norm(state[0])
+        b = objective.heldout_batch(FeatureSample(sample.sample_id, sample.input_ids, sample.loss_mask, hidden), j)
+        want = objective.loss(drafter, b).leading
+        assert torch.equal(objective.accepted(drafter, b, j), want)
+        assert torch.equal(objective.accepted(drafter, b, j), want)  # again, from the kept target choices
+        total += int(want.sum())
+    assert total > 0 and j + 1 == len(objective._choices)
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):

@@ -90,8 +90,8 @@ def measure(drafter, objective, heldout: Subset, device: torch.device, env: Dist
     drafter.eval()
     hist = torch.zeros(n_slots + 1, dtype=torch.float64)  # blocks that accepted exactly 0..n drafts
     mine = env.share(list(range(len(heldout))))
-    batches = [objective.heldout_batch(s, j) for j, s in zip(mine, heldout.take(mine), strict=True)]
-    batches = [b for b in batches if b is not None]
+    built = [(j, objective.heldout_batch(s, j)) for j, s in zip(mine, heldout.take(mine), strict=True)]
+    keys, batches = [j for j, b in built if b is not None], [b for _, b in built if b is not None]
     passes = len(batches)
     if is_fsdp(drafter):  # every rank runs as many forwards (each gathers the shards): agree first, then pad
         passes = all_reduce_max(len(batches), env)
@@ -99,16 +99,24 @@ def measure(drafter, objective, heldout: Subset, device: torch.device, env: Dist
             spare = batches[:1] or [b for j in range(len(heldout)) if (b := objective.heldout_batch(heldout[j], j))]
             batches += [None] * (passes - len(batches))
     with uncounted_passes(drafter):  # FSDP counts a step's forward passes: these are none of them
-        for b in batches:
+        for i, b in enumerate(batches):
             if b is None:  # a padding pass: its result is not counted
                 objective.loss(drafter, spare[0].to(device))
                 continue
-            leading = objective.loss(drafter, b.to(device)).leading.to(torch.int64).clamp(max=n_slots)
-            hist += torch.bincount(leading, minlength=n_slots + 1).double()
+            leading = _accepted(drafter, objective, b.to(device), keys[i])
+            hist += torch.bincount(leading.to(torch.int64).clamp(max=n_slots), minlength=n_slots + 1).double()
     hist = all_reduce_sum(hist, env)
     if was_training:
         drafter.train()
     return summary(hist.tolist())
+
+
+def _accepted(drafter, objective, b: Any, key: int) -> torch.Tensor:
+    """Accepted drafts per block of one held-out batch: the objective's own cheaper count where it has one (EAGLE-3's
+    pruned unroll; not under FSDP, whose shards only a forward pass gathers), else its loss's statistics."""
+    if hasattr(objective, "accepted") and not is_fsdp(drafter):
+        return objective.accepted(drafter, b, key)
+    return objective.loss(drafter, b).leading
 
 
 def summary(hist: list[float]) -> dict:

@@ -230,6 +230,33 @@ class Eagle3Drafter(SharedTargetDrafter):
         return out
 
     @torch.no_grad()
+    def leading(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, choice: torch.Tensor,
+                valid: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced accepted drafts per row: the unroll's leading run of steps whose argmax equals `choice`
+        (B = 1; `unroll`'s inputs, and (1, K, R) the target's choice in draft ids and where it counts). Equal to
+        counting over `unroll`'s logits, but step i >= 1 runs only the rows whose drafts all matched so far: a row
+        of step i reads step 0's keys up to its own and its own earlier steps' (the unroll mask), so the others
+        cannot change it. A held-out measurement then costs about one step instead of K (SmolLM2: 5.2 s -> ~1 s
+        each, ~35% of EAGLE-3's training time at 610 steps). Returns (rows valid at step 0,) int64."""
+        R, K = feats.shape[1], step_ids.shape[1]
+        hidden = self.fc(feats.to(self.fc.weight.dtype))
+        rows = torch.arange(R, device=feats.device)
+        counts = torch.zeros(R, dtype=torch.int64, device=feats.device)
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(K):
+            causal = rows[:, None] >= torch.arange(R, device=feats.device)[None, :]  # step 0's keys up to the row
+            mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
+            hidden, kv = self.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
+            alive = (self.logits(hidden)[0].argmax(-1) == choice[0, i, rows]) & valid[0, i, rows]
+            counts[rows[alive]] += 1
+            rows, hidden = rows[alive], hidden[:, alive]
+            # step 0's keys serve every row; later steps' only their own row, so they follow the rows still alive
+            past = [(k[:, :, alive], v[:, :, alive]) if j else (k, v) for j, (k, v) in enumerate([*past, kv])]
+            if not rows.numel():
+                break
+        return counts[valid[0, 0]]
+
+    @torch.no_grad()
     def soft_targets(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's distribution over the draft vocabulary, from its final normed hidden states.
 

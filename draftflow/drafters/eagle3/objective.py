@@ -28,7 +28,7 @@ from draftflow.features import FeatureSample
 # the layer and the draft-vocabulary head over every position, and at tau ~1.3 steps 4-7 are reached under 0.5% of
 # the time (held out on SmolLM2: acceptance 0.26, 0.05, 0.004, 0.0005, 0, 0, 0): unrolling 2-4 of 7 steps trained
 # 0.54 steps/s against 0.35 there, and the unroll deepens as acceptance grows. Held-out measurements
-# always unroll every step. The paper's fixed 0.8 ** i spreads the loss over all 7 (ttt_decay 0.5 beat 0.8 held
+# count every step (`accepted`: the unroll pruned to the rows still accepting, which is exact). The paper's fixed 0.8 ** i spreads the loss over all 7 (ttt_decay 0.5 beat 0.8 held
 # out: 1.344 against 1.312, docs/results.md "Recipes").
 
 
@@ -141,6 +141,7 @@ class Eagle3Objective:
         self.measured = tcfg.gamma == "measured"
         self.step_weights = [cfg.ttt_decay**i for i in range(cfg.ttt_steps)]
         self.options = ObjectiveOptions(cfg.distill_top_k, cfg.acceptance_loss)
+        self._choices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held-out sequence -> `target_choice`
 
     def reweight(self, acceptance: list[float]) -> None:
         """After a held-out measurement (and on resume, from the history): under `train.gamma: measured`, unroll
@@ -166,3 +167,26 @@ class Eagle3Objective:
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
             return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
         return eagle3_options_loss(logits, probs, in_vocab, b.supervised, weights, self.options, self.n_slots)
+
+    def accepted(self, drafter, b: Eagle3Batch, key: int) -> torch.Tensor:
+        """A held-out sequence's accepted drafts per row (`heldout.measure`; as `loss(...).leading` counts them), by
+        the drafter's pruned unroll (`Eagle3Drafter.leading`); the target's choices are kept by `key` (the frozen
+        head over fixed features: the same at every measurement, ~a quarter of one)."""
+        if key not in self._choices:
+            self._choices[key] = tuple(t.cpu() for t in target_choice(drafter, b))
+        choice, valid = (t.to(b.feats.device) for t in self._choices[key])
+        return drafter.leading(b.feats, b.step_ids, b.pos, choice, valid).cpu()
+
+
+def target_choice(drafter, b: Eagle3Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(1, K, R) the target's greedy token in draft ids that step i, row t is checked against, and (1, K, R) where it
+    counts: supervised, with a target position, and the target's argmax in the draft vocabulary (`eagle3_loss`)."""
+    probs, in_vocab = drafter.soft_targets_at(b.final, b.read)
+    K, R = b.supervised.shape[1:]
+    choice = torch.zeros(1, K, R, dtype=torch.int64, device=probs.device)
+    valid = torch.zeros(1, K, R, dtype=torch.bool, device=probs.device)
+    for i in range(K):
+        n = min(R, probs.shape[1] - 1 - i)
+        choice[0, i, :n] = probs[0, 1 + i : 1 + i + n].argmax(-1)
+        valid[0, i, :n] = b.supervised[0, i, :n] & in_vocab[0, 1 + i : 1 + i + n]
+    return choice, valid
