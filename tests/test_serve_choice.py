@@ -79,6 +79,18 @@ def test_verify_costs_from_the_probe_cancel_the_requests_overhead():
     assert verify[1] == pytest.approx(0.026) and verify[7] == pytest.approx(0.021 + 0.035)
 
 
+def test_a_noisy_dip_in_the_probe_does_not_make_more_drafts_cheaper():
+    # SmolLM2's EAGLE-3 probe at batch 1 (2026-12-06): k = 3 (n = 4) measured below k = 1, and was chosen
+    probe = {1: 0.0462, 2: 0.0537, 3: 0.0566, 4: 0.0510, 5: 0.0659, 6: 0.0643, 7: 0.0585, 8: 0.0636}
+    verify = sc.verify_from_probe(0.0462, probe)
+    assert all(verify[k] <= verify[k + 1] for k in range(1, 7))
+    assert verify[1] == pytest.approx(0.0537) and verify[2] == verify[3] == pytest.approx((0.0566 + 0.0510) / 2)
+    assert verify[4] == verify[6] == pytest.approx((0.0659 + 0.0643 + 0.0585) / 3)
+    assert verify[7] == pytest.approx(0.0636)
+    rising = [0.01, 0.02, 0.02, 0.03]
+    assert sc.non_decreasing(rising) == rising and sc.non_decreasing([3.0, 1.0, 2.0]) == pytest.approx([2.0] * 3)
+
+
 def test_drafting_costs_scale_as_each_proposer_drafts():
     assert sc.drafting_costs(0.08, 7, "block") == pytest.approx({k: 0.08 * (k + 1) / 8 for k in range(1, 8)})
     assert sc.drafting_costs(0.07, 7, "chain")[3] == pytest.approx(0.03)
