@@ -29,8 +29,7 @@ from draftflow.features import FeatureSample
 # the time (held out on SmolLM2: acceptance 0.26, 0.05, 0.004, 0.0005, 0, 0, 0): unrolling 2-4 of 7 steps trained
 # 0.54 steps/s against 0.35 there, and the unroll deepens as acceptance grows. Held-out measurements count every
 # step (`accepted`: the unroll pruned to the rows still accepting, which is exact). The paper's fixed 0.8 ** i spreads
-# the loss over all 7 (ttt_decay 0.5 beat 0.8 held
-# out: 1.344 against 1.312, docs/results.md "Recipes").
+# the loss over all 7 (ttt_decay 0.5 beat 0.8 held out: 1.344 against 1.312, docs/results.md "Recipes").
 
 
 def reach_steps(acceptance: list[float], steps: int) -> list[float]:
