@@ -257,7 +257,18 @@ def _end_children(grace_s: float = 5.0) -> None:
     # core's workers), which are then no longer below this process (CI, 2026-12-06: a worker outlived a run by 3 min)
     tree = below(False)
     _signal_and_wait(below(True), signal.SIGTERM, grace_s)
-    _signal_and_wait(sorted(set(tree) | set(below(False))), signal.SIGKILL, grace_s)
+    left = sorted(set(tree) | set(below(False)))
+    for _ in range(KILL_SWEEPS):
+        _signal_and_wait(left, signal.SIGKILL, grace_s)
+        # what was started while these ended: a shard thread inside vLLM's engine start spawns its engine core after
+        # the tree was read (2026-12-06: an engine core outlived a run SIGTERMed in regenerate, and the resource
+        # tracker with it, its pipe kept open)
+        left = below(False)
+        if not left:
+            break
+
+
+KILL_SWEEPS = 5  # rounds of SIGKILL, each for what the last one left or what was started meanwhile
 
 
 def _signal_and_wait(pids: list[int], sig: int, wait_s: float) -> None:

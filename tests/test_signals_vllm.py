@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.procs import TINY, alive, code_dir, descendants, snapshot_code
+from tests.reliability.procs import TINY, alive, code_dir, descendants, described, snapshot_code
 
 pytestmark = pytest.mark.vllm
 STOP_S = 60  # a bound for a loaded machine; the times measured are printed (seconds idle)
@@ -60,6 +60,7 @@ def test_sigterm_while_vllm_regenerates_or_times_the_served_drafter_leaves_nothi
                 assert time.monotonic() < end, f"{stage}: never got there:\n{log.read_text()[-3000:]}"
                 time.sleep(0.2)
             started = descendants(proc.pid)
+            what = described(started)  # what they were, for the messages below
             os.kill(proc.pid, signal.SIGTERM)
             t0 = time.monotonic()
             try:
@@ -74,6 +75,6 @@ def test_sigterm_while_vllm_regenerates_or_times_the_served_drafter_leaves_nothi
         end = time.monotonic() + GONE_S
         while alive(started) and time.monotonic() < end:  # vLLM's engine core ends its workers, then itself
             time.sleep(0.2)
-        assert not alive(started), f"{stage}: left running: {alive(started)}"
+        assert not alive(started), f"{stage}: left running: {described(alive(started))} (of {what})"
         print(f"SIGTERM in {stage} (vLLM): exited {took:.1f} s after the signal, nothing left "
-              f"{time.monotonic() - t0:.1f} s after it")
+              f"{time.monotonic() - t0:.1f} s after it; it had started {what}")

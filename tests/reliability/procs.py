@@ -231,6 +231,19 @@ def alive(pids: set[int]) -> set[int]:
     return out
 
 
+def described(pids: set[int]) -> str:
+    """Each of `pids` as `pid state (parent ppid): command line`, for a failure message that says what was left."""
+    out = []
+    for pid in sorted(pids):
+        fields = _stat(pid)
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            cmd = "?"
+        out.append(f"{pid} {fields[0] if fields else '?'} (parent {fields[1] if fields else '?'}): {cmd}")
+    return "; ".join(out)
+
+
 LONG_TRAINING = "train.max_steps=200"  # long enough that a fault lands while training
 
 
