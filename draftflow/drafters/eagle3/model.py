@@ -241,10 +241,11 @@ class Eagle3Drafter(SharedTargetDrafter):
         R, K = feats.shape[1], step_ids.shape[1]
         hidden = self.fc(feats.to(self.fc.weight.dtype))
         rows = torch.arange(R, device=feats.device)
+        keys0 = rows.clone()  # step 0's keys: every row
         counts = torch.zeros(R, dtype=torch.int64, device=feats.device)
         past: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i in range(K):
-            causal = rows[:, None] >= torch.arange(R, device=feats.device)[None, :]  # step 0's keys up to the row
+            causal = rows[:, None] >= keys0[None, :]  # step 0's keys up to the row
             mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
             hidden, kv = self.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
             alive = (self.logits(hidden)[0].argmax(-1) == choice[0, i, rows]) & valid[0, i, rows]
