@@ -22,7 +22,13 @@ from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
 from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
-from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, eagle3_options_loss, reach_steps
+from draftflow.drafters.eagle3.objective import (
+    Eagle3Objective,
+    eagle3_loss,
+    eagle3_options_loss,
+    every_row,
+    reach_steps,
+)
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
 from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.objectives import ObjectiveOptions
@@ -216,14 +222,14 @@ def test_soft_targets_sum_to_one_and_exclusions(drafter, samples, vocab):
     in_vocab = in_vocab.clone()
     in_vocab[5] = False  # pretend: the target's argmax at position 5 is not a draft token
     decays = [0.8**i for i in range(K)]
-    st = eagle3_loss(logits, probs[None], in_vocab[None], b.supervised, decays)
+    st = eagle3_loss(every_row(logits), probs[None], in_vocab[None], b.supervised, decays)
     poked = [lg.clone() for lg in logits]
     poked[0][0, 4, 0] += 100.0  # step 0 row 4 reads its target at position 5: excluded
     poked[1][0, 0, 0] += 100.0  # step 1 row 0 predicts x_3, a prompt token: unsupervised
-    assert torch.equal(eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, decays).weighted_sum,
+    assert torch.equal(eagle3_loss(every_row(poked), probs[None], in_vocab[None], b.supervised, decays).weighted_sum,
                        st.weighted_sum)
     poked[0][0, 10, 0] += 100.0  # a supervised row does count
-    assert eagle3_loss(poked, probs[None], in_vocab[None], b.supervised, decays).weighted_sum != st.weighted_sum
+    assert eagle3_loss(every_row(poked), probs[None], in_vocab[None], b.supervised, decays).weighted_sum != st.weighted_sum
     assert st.correct.shape == (K,) and st.valid[0] == int((b.supervised[0, 0] & in_vocab[1:]).sum())
     assert st.weight_sum == pytest.approx(sum(0.8**i * float(b.supervised[0, i].sum()) for i in range(K)))
 
@@ -240,9 +246,9 @@ def test_soft_targets_only_where_read_give_the_same_loss_and_gradients(drafter, 
         grads = []
         for probs, in_vocab in (full, at):
             if options is None:
-                st = eagle3_loss(logits, probs, in_vocab, b.supervised, decays)
+                st = eagle3_loss(every_row(logits), probs, in_vocab, b.supervised, decays)
             else:
-                st = eagle3_options_loss(logits, probs, in_vocab, b.supervised, decays, options)
+                st = eagle3_options_loss(every_row(logits), probs, in_vocab, b.supervised, decays, options)
             grads.append((st, torch.autograd.grad(st.loss, logits)))
         (one, g1), (two, g2) = grads
         assert torch.isfinite(two.loss) and torch.allclose(one.loss, two.loss, rtol=0, atol=1e-6), options
@@ -308,6 +314,32 @@ def test_the_pruned_unroll_counts_what_the_whole_unroll_accepts(drafter, samples
         assert torch.equal(got, want)
         seen.update(got.tolist())
     assert set(seen) == set(range(K + 1))  # every depth, so the pruning was exercised
+
+
+def test_the_scored_unroll_gives_the_whole_unrolls_loss_and_gradients(drafter, samples):
+    """Training runs step i >= 1 only on the rows some later step scores and the head only where step i scores: the
+    loss, its statistics and every parameter's gradient are the whole unroll's."""
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    for sample in samples:
+        b = make_eagle3_batch(sample, K)
+        probs, in_vocab = drafter.soft_targets_at(b.final, b.read)
+        in_vocab[0, 7] = False  # a target argmax outside the draft vocabulary: its rows are not scored
+        results = []
+        for pruned in (False, True):
+            if pruned:
+                at = torch.arange(b.supervised.shape[-1])[None, :] + 1 + torch.arange(K)[:, None]
+                logits = drafter.scored_unroll(b.feats, b.step_ids, b.pos, b.supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)])
+            else:
+                logits = every_row(drafter.unroll(b.feats, b.step_ids, b.pos))
+            st = eagle3_loss(logits, probs, in_vocab, b.supervised, [0.8**i for i in range(K)])
+            results.append((st, torch.autograd.grad(st.loss, params), sum(lg.shape[1] for _, lg in logits)))
+        (whole, g1, rows_whole), (scored, g2, rows_scored) = results
+        assert rows_scored < rows_whole  # the prompt's rows and the steps' tails were left out
+        torch.testing.assert_close(scored.loss, whole.loss, rtol=1e-5, atol=1e-6)
+        assert torch.equal(scored.correct, whole.correct) and torch.equal(scored.valid, whole.valid)
+        assert torch.equal(scored.leading, whole.leading)
+        for x, y in zip(g1, g2):
+            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
 
 
 def test_held_out_acceptance_by_the_pruned_unroll_equals_the_losss_count(drafter, samples, ecfg):

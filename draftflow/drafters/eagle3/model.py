@@ -229,32 +229,63 @@ class Eagle3Drafter(SharedTargetDrafter):
             out.append(self.logits(hidden))
         return out
 
+    def pruned(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, keep) -> None:
+        """The unroll with step i >= 1 run only on some rows (B = 1; `unroll`'s inputs): `keep(i, rows, hidden)` gets
+        step i's rows (n,) and their output hidden (1, n, D) and returns which of them step i+1 runs ((n,) bool).
+        Exact for every row it runs: a row of step i reads step 0's keys up to its own and its own earlier steps'
+        (the unroll mask), so the rows left out cannot change it. Step 0 runs every row: they are its keys."""
+        R, K = feats.shape[1], step_ids.shape[1]
+        hidden = self.fc(feats.to(self.fc.weight.dtype))
+        rows = torch.arange(R, device=feats.device)
+        causal = rows[:, None] >= rows[None, :]  # step 0's keys up to the row
+        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for i in range(K):
+            mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
+            hidden, kv = self.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
+            alive = keep(i, rows, hidden)
+            rows, hidden, causal = rows[alive], hidden[:, alive], causal[alive]
+            # step 0's keys serve every row; later steps' only their own row, so they follow the rows still run
+            past = [(k[:, :, alive], v[:, :, alive]) if j else (k, v) for j, (k, v) in enumerate([*past, kv])]
+            if not rows.numel():
+                return
+
+    def scored_unroll(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor,
+                      scored: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The unroll's logits where a loss reads them: (rows (n_i,), logits (1, n_i, Vd)) per step for `scored`
+        (1, K, R) bool (supervised, the target's argmax a draft token). Step i >= 1 runs only the rows some step >= i
+        scores and the LM head only the rows step i scores (`pruned`): a prompt's rows are step 0's keys and nothing
+        more. The same logits at those rows as `unroll`'s (tests/test_eagle3_model.py), at ~3/4 of its cost on the
+        rehearsal's sequences (30% of their rows are prompt)."""
+        K = step_ids.shape[1]
+        needed = scored[0].flip(0).cumsum(0).flip(0) > 0  # (K, R): some step >= i scores the row
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def keep(i, rows, hidden):
+            at = scored[0, i, rows]
+            out.append((rows[at], self.logits(hidden[:, at])))
+            return needed[i + 1, rows] if i + 1 < K else torch.zeros_like(at)
+
+        self.pruned(feats, step_ids, pos, keep)
+        none = (torch.zeros(0, dtype=torch.int64, device=feats.device),
+                feats.new_zeros(1, 0, self.lm_head.out_features, dtype=self.lm_head.weight.dtype))
+        return out + [none] * (K - len(out))
+
     @torch.no_grad()
     def leading(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, choice: torch.Tensor,
                 valid: torch.Tensor) -> torch.Tensor:
         """Teacher-forced accepted drafts per row: the unroll's leading run of steps whose argmax equals `choice`
         (B = 1; `unroll`'s inputs, and (1, K, R) the target's choice in draft ids and where it counts). Equal to
-        counting over `unroll`'s logits, but step i >= 1 runs only the rows whose drafts all matched so far: a row
-        of step i reads step 0's keys up to its own and its own earlier steps' (the unroll mask), so the others
-        cannot change it. A held-out measurement then costs about one step instead of K (SmolLM2: 5.2 s -> ~1 s
-        each, ~35% of EAGLE-3's training time at 610 steps). Returns (rows valid at step 0,) int64."""
-        R, K = feats.shape[1], step_ids.shape[1]
-        hidden = self.fc(feats.to(self.fc.weight.dtype))
-        rows = torch.arange(R, device=feats.device)
-        keys0 = rows.clone()  # step 0's keys: every row
-        counts = torch.zeros(R, dtype=torch.int64, device=feats.device)
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(K):
-            causal = rows[:, None] >= keys0[None, :]  # step 0's keys up to the row
-            mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
-            hidden, kv = self.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
+        counting over `unroll`'s logits, but step i >= 1 runs only the rows whose drafts all matched so far
+        (`pruned`). A held-out measurement then costs about one step instead of K (SmolLM2: 5.2 s -> ~1 s each,
+        ~35% of EAGLE-3's training time at 610 steps). Returns (rows valid at step 0,) int64."""
+        counts = torch.zeros(feats.shape[1], dtype=torch.int64, device=feats.device)
+
+        def keep(i, rows, hidden):
             alive = (self.logits(hidden)[0].argmax(-1) == choice[0, i, rows]) & valid[0, i, rows]
             counts[rows[alive]] += 1
-            rows, hidden = rows[alive], hidden[:, alive]
-            # step 0's keys serve every row; later steps' only their own row, so they follow the rows still alive
-            past = [(k[:, :, alive], v[:, :, alive]) if j else (k, v) for j, (k, v) in enumerate([*past, kv])]
-            if not rows.numel():
-                break
+            return alive
+
+        self.pruned(feats, step_ids, pos, keep)
         return counts[valid[0, 0]]
 
     @torch.no_grad()
@@ -281,15 +312,23 @@ class Eagle3Drafter(SharedTargetDrafter):
         probs[read], in_vocab[read] = self.soft_targets(final_hidden[read])
         return probs, in_vocab
 
-    def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None):
+    def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None,
+                supervised: torch.Tensor | None = None):
         """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets (only at the
         positions `read`, (B, T') bool, when given: `soft_targets_at`).
 
         Returns:
-            (list of K (B, T, Vd) logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D).
+            (logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D): logits a list of K
+            (B, T, Vd), or with `supervised` (1, K, R) `scored_unroll`'s (rows, logits) at the rows supervised
+            whose target's argmax is a draft token.
         """
-        targets = self.soft_targets(final_hidden) if read is None else self.soft_targets_at(final_hidden, read)
-        return (self.unroll(feats, step_ids, pos), *targets)
+        probs, in_vocab = self.soft_targets(final_hidden) if read is None else self.soft_targets_at(final_hidden, read)
+        if supervised is None:
+            return self.unroll(feats, step_ids, pos), probs, in_vocab
+        K, R = supervised.shape[1:]
+        at = torch.arange(R, device=feats.device)[None, :] + 1 + torch.arange(K, device=feats.device)[:, None]
+        scored = supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)]  # step i, row t reads t+1+i
+        return self.scored_unroll(feats, step_ids, pos, scored), probs, in_vocab
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:

@@ -40,12 +40,25 @@ def reach_steps(acceptance: list[float], steps: int) -> list[float]:
     return weights[: next((i for i, r in enumerate(weights) if i and r < REACH_FLOOR), steps)]
 
 
-def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
+def every_row(logits: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`unroll`'s logits (1, R, Vd) per step as the losses read them, (rows, logits) per step: step i's rows with a
+    target position, 0..R-1-i (`scored_unroll` gives the rows scored only, which the losses count the same)."""
+    R = logits[0].shape[1] if logits else 0
+    return [(torch.arange(R - i, device=lg.device), lg[:, : R - i]) for i, lg in enumerate(logits)]
+
+
+def _placed(rows: torch.Tensor, values: torch.Tensor, R: int) -> torch.Tensor:
+    """(R,) `values` at `rows`, zero (False) elsewhere; differentiable in `values`."""
+    return values.new_zeros(R).index_put((rows,), values)
+
+
+def eagle3_loss(logits: list[tuple[torch.Tensor, torch.Tensor]], probs: torch.Tensor, in_vocab: torch.Tensor,
                 supervised: torch.Tensor, weights: list[float], steps: int | None = None) -> LossStats:
     """Decayed soft cross entropy over the unroll steps, plus accuracy statistics.
 
     Args:
-        logits: K drafter logits (1, R, Vd), R = T-1 rows.
+        logits: per unrolled step, (rows (n,), the drafter's logits there (1, n, Vd)): `every_row` of `unroll`'s,
+            or `scored_unroll`'s (only the rows that count; the same loss).
         probs: (1, T, Vd) the target's distribution over the draft vocabulary at every position;
             step i, row t is scored against position t+1+i.
         in_vocab: (1, T) the target's argmax at that position is a draft token.
@@ -61,21 +74,19 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
         mean over positions).
     """
     R = supervised.shape[-1]
-    weighted_sum = logits[0].new_zeros((), dtype=torch.float32)
+    weighted_sum = probs.new_zeros((), dtype=torch.float32)
     hits, valids, weight_sum = [], [], 0.0
-    for i, lg in enumerate(logits):
-        p = probs[:, 1 + i : 1 + i + R]  # (1, R_i, Vd), R_i = R - i rows have a target position
-        n = p.shape[1]
-        valid = supervised[:, i, :n] & in_vocab[:, 1 + i : 1 + i + n]  # (1, R_i)
-        ce = -(p * F.log_softmax(lg[:, :n].float(), dim=-1)).sum(-1)  # (1, R_i)
+    for i, (rows, lg) in enumerate(logits):
+        p = probs[0, 1 + i + rows]  # (n, Vd)
+        valid = supervised[0, i, rows] & in_vocab[0, 1 + i + rows]  # (n,)
+        ce = -(p * F.log_softmax(lg[0].float(), dim=-1)).sum(-1)  # (n,)
         w = weights[i]
         weighted_sum = weighted_sum + w * (ce * valid).sum()
         weight_sum += w * float(supervised[:, i].sum())
-        hit = (lg[:, :n].detach().argmax(-1) == p.argmax(-1)) & valid
-        hits.append(F.pad(hit[0], (0, R - n)))
-        valids.append(F.pad(valid[0], (0, R - n)))
+        hits.append(_placed(rows, (lg[0].detach().argmax(-1) == p.argmax(-1)) & valid, R))
+        valids.append(_placed(rows, valid, R))
     hit, valid = torch.stack(hits), torch.stack(valids)  # (K, R)
-    leading = hit.int().cumprod(dim=0).sum(dim=0)[valid[0]]  # rows supervised at step 0
+    leading = hit.int().cumprod(dim=0).sum(dim=0)[supervised[0, 0] & in_vocab[0, 1:]]  # rows valid at step 0
     pad = (0, 0, 0, (steps or len(logits)) - len(logits))
     hit, valid = F.pad(hit, pad), F.pad(valid, pad)
     return LossStats(
@@ -88,37 +99,37 @@ def eagle3_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch
     )
 
 
-def eagle3_options_loss(logits: list[torch.Tensor], probs: torch.Tensor, in_vocab: torch.Tensor,
+def eagle3_options_loss(logits: list[tuple[torch.Tensor, torch.Tensor]], probs: torch.Tensor, in_vocab: torch.Tensor,
                         supervised: torch.Tensor, weights: list[float], options: ObjectiveOptions,
                         steps: int | None = None) -> LossStats:
     """`eagle3_loss` with the `ObjectiveOptions`: labels the target's top-k (k = 0: its argmax alone) instead of
     its whole distribution, and/or the acceptance-oriented loss (`objectives.chain_gain` over the unroll: step
-    i's draft is accepted only if steps 0..i-1 were). Same statistics and normalisation as `eagle3_loss`."""
+    i's draft is accepted only if steps 0..i-1 were). Same inputs, statistics and normalisation as `eagle3_loss`."""
     R, K = supervised.shape[-1], len(logits)
     k = options.distill_top_k
     terms, alphas, valids, hits, weight_sum = [], [], [], [], 0.0
-    for i, lg in enumerate(logits):
-        p = probs[0, 1 + i : 1 + i + R]  # (R_i, Vd)
+    for i, (rows, lg) in enumerate(logits):
+        p = probs[0, 1 + i + rows]  # (n, Vd)
         n = p.shape[0]
-        valid = supervised[0, i, :n] & in_vocab[0, 1 + i : 1 + i + n]
+        valid = supervised[0, i, rows] & in_vocab[0, 1 + i + rows]
         if k is None:  # the whole distribution (the paper): its support is every draft token
             soft = (torch.arange(p.shape[-1], device=p.device).expand(n, -1), p)
         elif k == 0:  # hard labels: the target's argmax alone
             soft = (p.argmax(-1, keepdim=True), p.new_ones(n, 1))
         else:
             soft = top_k_targets(p.log(), k)
-        term, alpha = slot_terms(lg[0, :n], p.argmax(-1), soft, options.acceptance_loss)
-        terms.append(F.pad(term, (0, R - n)))
-        alphas.append(F.pad(alpha, (0, R - n)))
-        valids.append(F.pad(valid, (0, R - n)))
-        hits.append(F.pad((lg[0, :n].detach().argmax(-1) == p.argmax(-1)) & valid, (0, R - n)))
+        term, alpha = slot_terms(lg[0], p.argmax(-1), soft, options.acceptance_loss)
+        terms.append(_placed(rows, term, R))
+        alphas.append(_placed(rows, alpha, R))
+        valids.append(_placed(rows, valid, R))
+        hits.append(_placed(rows, (lg[0].detach().argmax(-1) == p.argmax(-1)) & valid, R))
         weight_sum += weights[i] * float(supervised[:, i].sum())
     term, alpha, valid, hit = (torch.stack(x, dim=1) for x in (terms, alphas, valids, hits))  # (R, K)
     w = torch.tensor(weights[:K], device=term.device)[None, :] * valid
     if options.acceptance_loss:
         w = w + chain_gain(alpha, valid.float())
     weighted_sum = torch.where(valid, term * w, 0.0).sum()
-    leading = hit.int().cumprod(dim=1).sum(dim=1)[valid[:, 0]]
+    leading = hit.int().cumprod(dim=1).sum(dim=1)[supervised[0, 0] & in_vocab[0, 1:]]
     pad = (0, (steps or K) - K)
     hit, valid = F.pad(hit, pad), F.pad(valid, pad)
     return LossStats(
@@ -162,7 +173,7 @@ class Eagle3Objective:
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
         """A training batch unrolls `len(self.step_weights)` steps, a held-out one every step (weighed as the paper's
         decay beyond the trained steps: its loss is not used, only its statistics)."""
-        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read)
+        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read, b.supervised)
         weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
             return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
