@@ -21,7 +21,7 @@ from draftflow.drafters.eagle3 import batches as e3_batches
 from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
-from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
+from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, scored_rows, ttt_attention_mask
 from draftflow.drafters.eagle3.objective import (
     Eagle3Objective,
     eagle3_loss,
@@ -229,7 +229,8 @@ def test_soft_targets_sum_to_one_and_exclusions(drafter, samples, vocab):
     assert torch.equal(eagle3_loss(every_row(poked), probs[None], in_vocab[None], b.supervised, decays).weighted_sum,
                        st.weighted_sum)
     poked[0][0, 10, 0] += 100.0  # a supervised row does count
-    assert eagle3_loss(every_row(poked), probs[None], in_vocab[None], b.supervised, decays).weighted_sum != st.weighted_sum
+    changed = eagle3_loss(every_row(poked), probs[None], in_vocab[None], b.supervised, decays)
+    assert changed.weighted_sum != st.weighted_sum
     assert st.correct.shape == (K,) and st.valid[0] == int((b.supervised[0, 0] & in_vocab[1:]).sum())
     assert st.weight_sum == pytest.approx(sum(0.8**i * float(b.supervised[0, i].sum()) for i in range(K)))
 
@@ -327,8 +328,7 @@ def test_the_scored_unroll_gives_the_whole_unrolls_loss_and_gradients(drafter, s
         results = []
         for pruned in (False, True):
             if pruned:
-                at = torch.arange(b.supervised.shape[-1])[None, :] + 1 + torch.arange(K)[:, None]
-                logits = drafter.scored_unroll(b.feats, b.step_ids, b.pos, b.supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)])
+                logits = drafter.scored_unroll(b.feats, b.step_ids, b.pos, scored_rows(b.supervised, in_vocab))
             else:
                 logits = every_row(drafter.unroll(b.feats, b.step_ids, b.pos))
             st = eagle3_loss(logits, probs, in_vocab, b.supervised, [0.8**i for i in range(K)])

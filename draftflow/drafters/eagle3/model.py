@@ -325,10 +325,7 @@ class Eagle3Drafter(SharedTargetDrafter):
         probs, in_vocab = self.soft_targets(final_hidden) if read is None else self.soft_targets_at(final_hidden, read)
         if supervised is None:
             return self.unroll(feats, step_ids, pos), probs, in_vocab
-        K, R = supervised.shape[1:]
-        at = torch.arange(R, device=feats.device)[None, :] + 1 + torch.arange(K, device=feats.device)[:, None]
-        scored = supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)]  # step i, row t reads t+1+i
-        return self.scored_unroll(feats, step_ids, pos, scored), probs, in_vocab
+        return self.scored_unroll(feats, step_ids, pos, scored_rows(supervised, in_vocab)), probs, in_vocab
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:
@@ -345,6 +342,14 @@ class Eagle3Drafter(SharedTargetDrafter):
                      where: str) -> Eagle3Drafter:
         """A drafter holding exactly `weights` (draftflow names, d2t/t2d included)."""
         return load_exact(cls(cfg, target_model, weights.get("d2t"), weights.get("t2d")), weights, where)
+
+
+def scored_rows(supervised: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
+    """(1, K, R) the unroll's rows a loss scores: supervised (1, K, R), and the target's argmax at the position step i,
+    row t is scored against (t+1+i) a draft token (`in_vocab` (1, T))."""
+    K, R = supervised.shape[1:]
+    at = torch.arange(R, device=supervised.device)[None, :] + 1 + torch.arange(K, device=supervised.device)[:, None]
+    return supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)]
 
 
 @torch.no_grad()
