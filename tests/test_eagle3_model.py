@@ -242,6 +242,8 @@ def test_soft_targets_only_where_read_give_the_same_loss_and_gradients(drafter, 
     logits = [lg.detach().requires_grad_() for lg in drafter.unroll(b.feats, b.step_ids, b.pos)]
     full, at = drafter.soft_targets(b.final), drafter.soft_targets_at(b.final, b.read)
     assert torch.equal(full[1] & b.read, at[1]) and torch.equal(full[0][b.read], at[0][b.read])
+    again = drafter.soft_targets_at(b.final, b.read, at[1])  # in_vocab known: the head's draft rows alone
+    assert torch.equal(again[0], at[0]) and torch.equal(again[1], at[1])
     decays = [0.8**i for i in range(K)]
     for options in (None, ObjectiveOptions(4, False), ObjectiveOptions(0, True)):
         grads = []
@@ -340,6 +342,17 @@ def test_the_scored_unroll_gives_the_whole_unrolls_loss_and_gradients(drafter, s
         assert torch.equal(scored.leading, whole.leading)
         for x, y in zip(g1, g2):
             torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+
+
+def test_a_second_visit_reuses_the_targets_choices_and_scores_the_same(drafter, samples, ecfg):
+    objective = Eagle3Objective(ecfg, tcfg())
+    b = objective.batch(samples[0], 0, 0)
+    first = objective.loss(drafter, b)
+    assert list(objective._in_vocab) == [samples[0].sample_id]
+    second = objective.loss(drafter, b)  # the kept in_vocab: only the target head's draft rows run
+    assert torch.equal(first.weighted_sum, second.weighted_sum) and torch.equal(first.correct, second.correct)
+    objective._in_vocab[b.key] = ~objective._in_vocab[b.key]  # a wrong kept flag would change what is scored
+    assert not torch.equal(objective.loss(drafter, b).valid, first.valid)
 
 
 def test_held_out_acceptance_by_the_pruned_unroll_equals_the_losss_count(drafter, samples, ecfg):

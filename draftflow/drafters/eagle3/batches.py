@@ -21,9 +21,10 @@ class Eagle3Batch:
     final: torch.Tensor  # (1, T, D) target's final normed hidden states, positions 0..T-1
     supervised: torch.Tensor  # (1, K, R) bool: x_{t+2+i} exists and loss_mask[t+2+i]
     read: torch.Tensor  # (1, T) bool: positions whose target distribution a supervised row is scored against
+    key: str = ""  # the sequence's sample id: what the target computed for it once is kept under it
 
     def to(self, device: torch.device | str) -> Eagle3Batch:
-        return Eagle3Batch(**{k: v.to(device) for k, v in vars(self).items()})
+        return Eagle3Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
 
 
 def make_eagle3_batch(sample: FeatureSample, steps: int) -> Eagle3Batch | None:
@@ -55,4 +56,5 @@ def make_eagle3_batch(sample: FeatureSample, steps: int) -> Eagle3Batch | None:
         final=hidden[:, 3][None],
         supervised=supervised[None],
         read=read[None],
+        key=sample.sample_id,
     )

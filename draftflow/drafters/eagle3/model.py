@@ -289,40 +289,54 @@ class Eagle3Drafter(SharedTargetDrafter):
         return counts[valid[0, 0]]
 
     @torch.no_grad()
-    def soft_targets(self, final_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def soft_targets(self, final_hidden: torch.Tensor,
+                     in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's distribution over the draft vocabulary, from its final normed hidden states.
+
+        Args:
+            in_vocab: what an earlier call returned for the same states: then only the draft vocabulary's rows of the
+                target's head run (1/6 of it for SmolLM2's 8,192 of 49,152), the probabilities are the same.
 
         Returns:
             probs (..., Vd) fp32 summing to 1, and in_vocab (...) bool: the target's argmax
             (over its whole vocabulary) is a draft token; rows without it are not supervised.
         """
-        logits = self.target_head(final_hidden.to(self.target_head.weight.dtype)).float()  # (..., V)
-        t2d = self.t2d.to(logits.device)
-        in_vocab = t2d[logits.argmax(-1)]
-        return F.softmax(logits[..., t2d], dim=-1), in_vocab  # columns in draft-id order
+        x = final_hidden.to(self.target_head.weight.dtype)
+        if in_vocab is None:
+            in_vocab = self.t2d.to(x.device)[self.target_head(x).argmax(-1)]
+        # always the draft rows alone, so the probabilities never depend on whether in_vocab was known
+        rows = self.target_head.weight[self.t2d.to(x.device)]  # (Vd, D) in draft-id order (~1% of a step to copy)
+        return F.softmax(F.linear(x, rows).float(), dim=-1), in_vocab
 
     @torch.no_grad()
-    def soft_targets_at(self, final_hidden: torch.Tensor, read: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def soft_targets_at(self, final_hidden: torch.Tensor, read: torch.Tensor,
+                        in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`soft_targets` computed only where `read` (B, T') is True: the target's whole head is a quarter of an
         EAGLE-3 training step, and a prompt's positions are never scored. Elsewhere the distribution is uniform
-        (finite, never scored) and in_vocab False, so a loss masked by in_vocab is exactly `soft_targets`'s."""
+        (finite, never scored) and in_vocab False, so a loss masked by in_vocab is exactly `soft_targets`'s.
+        `in_vocab` (B, T'): an earlier call's for the same states (`soft_targets`)."""
         vd = self.lm_head.out_features  # the draft vocabulary
         probs = final_hidden.new_full((*read.shape, vd), 1.0 / vd, dtype=torch.float32)
+        known = None if in_vocab is None else in_vocab[read]
         in_vocab = torch.zeros(read.shape, dtype=torch.bool, device=final_hidden.device)
-        probs[read], in_vocab[read] = self.soft_targets(final_hidden[read])
+        probs[read], in_vocab[read] = self.soft_targets(final_hidden[read], known)
         return probs, in_vocab
 
     def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None,
-                supervised: torch.Tensor | None = None):
+                supervised: torch.Tensor | None = None, in_vocab: torch.Tensor | None = None):
         """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets (only at the
-        positions `read`, (B, T') bool, when given: `soft_targets_at`).
+        positions `read`, (B, T') bool, when given: `soft_targets_at`; `in_vocab`: an earlier call's for the same
+        sequence, with `read`).
 
         Returns:
             (logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D): logits a list of K
             (B, T, Vd), or with `supervised` (1, K, R) `scored_unroll`'s (rows, logits) at the rows supervised
             whose target's argmax is a draft token.
         """
-        probs, in_vocab = self.soft_targets(final_hidden) if read is None else self.soft_targets_at(final_hidden, read)
+        if read is None:
+            probs, in_vocab = self.soft_targets(final_hidden)
+        else:
+            probs, in_vocab = self.soft_targets_at(final_hidden, read, in_vocab)
         if supervised is None:
             return self.unroll(feats, step_ids, pos), probs, in_vocab
         return self.scored_unroll(feats, step_ids, pos, scored_rows(supervised, in_vocab)), probs, in_vocab
