@@ -9,19 +9,18 @@ same check.
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import draftflow.drafters.eagle3.model as e3
-from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.config import DrafterConfig
 from draftflow.drafters.eagle3 import batches as e3_batches
 from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
 from draftflow.drafters.eagle3.export import export_eagle3_speculators, export_eagle3_vllm
-from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, scored_rows, ttt_attention_mask
+from draftflow.drafters.eagle3.model import Eagle3Drafter, draft_chain, ttt_attention_mask
 from draftflow.drafters.eagle3.objective import (
     Eagle3Objective,
     eagle3_loss,
@@ -30,58 +29,16 @@ from draftflow.drafters.eagle3.objective import (
     reach_steps,
 )
 from draftflow.drafters.eagle3.taps import default_eagle3_layer_ids, eagle3_layer_ids, eagle3_taps
-from draftflow.drafters.eagle3.vocab import draft_vocab
 from draftflow.drafters.objectives import ObjectiveOptions
 from draftflow.drafters.registry import load_exported
 from draftflow.engines.capture import HFCapture
 from draftflow.errors import ConfigError
-from draftflow.features import FeatureSample
 from draftflow.layers import FINAL, hf_hidden_state_index
 from draftflow.training.checkpoint import latest_checkpoint
 from draftflow.training.loop import Start, train_drafter
 from tests.conftest import preempt_training
+from tests.eagle3_setup import TAPS, VD, K, drafter, ecfg, samples, tcfg, vocab  # noqa: F401  (fixtures)
 from tests.mutants import put_back
-
-TAPS = [1, 2, 3]  # the 6-layer test target is too shallow for the default taps
-K = 3  # unroll steps
-VD = 200  # draft vocabulary (of 320)
-
-
-@pytest.fixture(scope="module")
-def samples(target):
-    """Random prompts continued by the target's own greedy answers; features = 3 taps + FINAL."""
-    g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(0, 300, (8, 5), generator=g)
-    out = target.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=19,
-                          min_new_tokens=19, pad_token_id=0)
-    feats = HFCapture(target, [*TAPS, FINAL]).capture(out.tolist())
-    mask = torch.tensor([0] * 5 + [1] * 19, dtype=torch.bool)
-    return [FeatureSample(f"s{i}", ids, mask, f) for i, (ids, f) in enumerate(zip(out, feats))]
-
-
-@pytest.fixture(scope="module")
-def vocab(samples):
-    """d2t/t2d as the tokenize stage builds them from supervised-token counts."""
-    freq = Counter(t for s in samples for t, m in zip(s.input_ids.tolist(), s.loss_mask.tolist()) if m)
-    d2t, t2d = draft_vocab(freq, 320, VD)
-    return torch.tensor(d2t), torch.tensor(t2d)
-
-
-@pytest.fixture(scope="module")
-def ecfg(target):
-    return Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=TAPS, ttt_steps=K), VD)
-
-
-@pytest.fixture(scope="module")
-def drafter(ecfg, target, vocab):
-    torch.manual_seed(2)
-    d = Eagle3Drafter(ecfg, target, *vocab).eval()
-    with torch.no_grad():  # norms away from 1, so a mixed-up norm shows in the logits
-        for name, p in d.named_parameters():
-            if p.requires_grad and name.endswith("norm.weight"):
-                p.add_(0.1 * torch.randn_like(p))
-    return d
-
 
 # ----------------------------------------------------------------------------- config, taps, shapes
 
@@ -262,11 +219,6 @@ def test_soft_targets_only_where_read_give_the_same_loss_and_gradients(drafter, 
 # ----------------------------------------------------------------------------- training
 
 
-def tcfg(**kw) -> TrainConfig:
-    base = dict(epochs=50, max_steps=10, batch_size=2, lr=3e-3, checkpoint_every=4, device="cpu", seed=0)
-    return TrainConfig(**(base | kw))
-
-
 def test_loss_decreases_and_frozen_modules_are_not_trained(tmp_path, target, samples, ecfg, vocab):
     head = target.lm_head.weight.clone()
     # every unroll step trained (the paper's decay: no held-out measurement, so no measured unroll depth)
@@ -303,74 +255,6 @@ def test_measured_unroll_trains_only_the_steps_decoding_reaches(samples, ecfg, d
     assert stats.correct.shape == stats.valid.shape == (K,) and stats.valid[2] == 0 < stats.valid[1]
     held = measured.heldout_batch(sample, 0)  # held-out batches hold every step
     assert held.step_ids.shape[1] == K and measured.loss(drafter, held).valid[K - 1] > 0
-
-
-def test_the_pruned_unroll_counts_what_the_whole_unroll_accepts(drafter, samples):
-    # the target's choice agrees with the drafter's own argmax at ~70% of the slots, so rows accept 0..K drafts
-    g, seen = torch.Generator().manual_seed(3), Counter()
-    for sample in samples:
-        b = make_eagle3_batch(sample, K)
-        own = torch.stack([lg.argmax(-1) for lg in drafter.unroll(b.feats, b.step_ids, b.pos)], dim=1)  # (1, K, R)
-        choice = torch.where(torch.rand(own.shape, generator=g) < 0.7, own, (own + 1) % VD)
-        want = ((own == choice) & b.supervised)[0].int().cumprod(0).sum(0)[b.supervised[0, 0]]
-        got = drafter.leading(b.feats, b.step_ids, b.pos, choice, b.supervised)
-        assert torch.equal(got, want)
-        seen.update(got.tolist())
-    assert set(seen) == set(range(K + 1))  # every depth, so the pruning was exercised
-
-
-def test_the_scored_unroll_gives_the_whole_unrolls_loss_and_gradients(drafter, samples):
-    """Training runs step i >= 1 only on the rows some later step scores and the head only where step i scores: the
-    loss, its statistics and every parameter's gradient are the whole unroll's."""
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    for sample in samples:
-        b = make_eagle3_batch(sample, K)
-        probs, in_vocab = drafter.soft_targets_at(b.final, b.read)
-        in_vocab[0, 7] = False  # a target argmax outside the draft vocabulary: its rows are not scored
-        results = []
-        for pruned in (False, True):
-            if pruned:
-                logits = drafter.scored_unroll(b.feats, b.step_ids, b.pos, scored_rows(b.supervised, in_vocab))
-            else:
-                logits = every_row(drafter.unroll(b.feats, b.step_ids, b.pos))
-            st = eagle3_loss(logits, probs, in_vocab, b.supervised, [0.8**i for i in range(K)])
-            results.append((st, torch.autograd.grad(st.loss, params), sum(lg.shape[1] for _, lg in logits)))
-        (whole, g1, rows_whole), (scored, g2, rows_scored) = results
-        assert rows_scored < rows_whole  # the prompt's rows and the steps' tails were left out
-        torch.testing.assert_close(scored.loss, whole.loss, rtol=1e-5, atol=1e-6)
-        assert torch.equal(scored.correct, whole.correct) and torch.equal(scored.valid, whole.valid)
-        assert torch.equal(scored.leading, whole.leading)
-        for x, y in zip(g1, g2):
-            torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
-
-
-def test_a_second_visit_reuses_the_targets_choices_and_scores_the_same(drafter, samples, ecfg):
-    objective = Eagle3Objective(ecfg, tcfg())
-    b = objective.batch(samples[0], 0, 0)
-    first = objective.loss(drafter, b)
-    assert list(objective._in_vocab) == [samples[0].sample_id]
-    second = objective.loss(drafter, b)  # the kept in_vocab: only the target head's draft rows run
-    assert torch.equal(first.weighted_sum, second.weighted_sum) and torch.equal(first.correct, second.correct)
-    objective._in_vocab[b.key] = ~objective._in_vocab[b.key]  # a wrong kept flag would change what is scored
-    assert not torch.equal(objective.loss(drafter, b).valid, first.valid)
-
-
-def test_held_out_acceptance_by_the_pruned_unroll_equals_the_losss_count(drafter, samples, ecfg):
-    objective = Eagle3Objective(ecfg, tcfg())
-    total = 0
-    for j, sample in enumerate(samples):
-        with torch.no_grad():  # the target's final state made the drafter's own step-0 state: step 0 mostly accepts
-            b = objective.heldout_batch(sample, j)
-            mask = ttt_attention_mask(b.feats.shape[1], 0)[None]
-            state, _ = drafter.step(b.step_ids[:, 0], drafter.fc(b.feats), b.pos, [], mask)
-            hidden = sample.hidden.clone()
-            hidden[1:, 3] = drafter.norm(state[0])
-        b = objective.heldout_batch(FeatureSample(sample.sample_id, sample.input_ids, sample.loss_mask, hidden), j)
-        want = objective.loss(drafter, b).leading
-        assert torch.equal(objective.accepted(drafter, b, j), want)
-        assert torch.equal(objective.accepted(drafter, b, j), want)  # again, from the kept target choices
-        total += int(want.sum())
-    assert total > 0 and j + 1 == len(objective._choices)
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from draftflow.config import DrafterConfig
-from draftflow.drafters.batches import IGNORE
-from draftflow.drafters.dflash.batches import build_training_batch, sampled_vocab
+from draftflow.drafters.batches import IGNORE, sampled_vocab
+from draftflow.drafters.dflash.batches import build_training_batch
 from draftflow.drafters.dflash.model import DFlashDrafter
 from draftflow.drafters.dflash.objective import DFlashObjective
 from draftflow.drafters.eagle3.config import Eagle3Config
@@ -127,13 +127,3 @@ def test_an_unused_block_batch_field_moves_as_none():
     b = build_training_batch(FeatureSample("x", ids, mask, torch.randn(10, 3, 8)), 4, 2,
                              torch.Generator().manual_seed(0), MASK_ID)
     assert b.to("cpu").vocab is None
-
-
-def test_sampled_softmax_is_refused_for_a_kind_with_its_own_draft_vocabulary(tmp_path):
-    from draftflow.config import load_config
-    from draftflow.errors import ConfigError
-    from draftflow.training.job import loss_tokens
-
-    cfg = load_config("configs/tiny-eagle3.yaml", overrides=["train.sampled_softmax=64"])
-    with pytest.raises(ConfigError, match="train.sampled_softmax is for DFlash"):
-        loss_tokens(None, cfg, None)

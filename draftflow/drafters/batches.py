@@ -50,3 +50,36 @@ def step_indices(step: int, n_samples: int, tcfg: TrainConfig, lengths: list[int
         chunk = sorted(order[i : i + pool], key=lambda s: lengths[s])  # stable: ties keep shuffle order
         batches += [chunk[j : j + B] for j in range(0, len(chunk), B)]
     return batches[int(torch.randperm(len(batches), generator=g)[k])]
+
+
+# ----------------------------------------------------------------------------- sampled softmax
+
+
+def step_generator(seed: int, step: int, j: int) -> torch.Generator:
+    """The RNG of the j-th sequence in step `step` (DFlash's anchors, a sampled softmax's draws): derived, so a resume
+    needs no RNG replay."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)
+
+
+def sampled_vocab(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int, negatives: int,
+                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens a sampled-softmax step scores, and their log-Q correction.
+
+    Every id in `keep` (the supervised tokens tokenize counted) and in `labels` is scored exactly
+    (bias 0); `negatives` more are drawn uniformly without replacement from the rest of the
+    vocabulary, each biased by log(rest / negatives) so the sum over them estimates the rest's share
+    of the softmax's normaliser (Bengio & Senecal 2008; Jean et al. 2015, arXiv 1412.2007).
+
+    Returns:
+        (sorted ids (K,), bias (K,) float32).
+    """
+    exact = torch.cat([keep, labels[labels != IGNORE]]).unique()
+    rest = torch.ones(vocab_size, dtype=torch.bool)
+    rest[exact] = False
+    pool = rest.nonzero().squeeze(1)
+    drawn = pool[torch.randperm(pool.numel(), generator=generator)[: min(negatives, pool.numel())]]
+    ids, order = torch.cat([exact, drawn]).sort()
+    bias = torch.zeros(ids.numel())
+    if drawn.numel():
+        bias[exact.numel():] = math.log(pool.numel() / drawn.numel())
+    return ids, bias[order]

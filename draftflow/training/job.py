@@ -127,20 +127,20 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
     return spec.config_from_target(model.config, cfg.drafter, inputs), vocab
 
 
-def loss_tokens(store: Store, cfg: RunConfig, features: FeatureSource) -> torch.Tensor | None:
-    """`train.sampled_softmax`: every token id tokenize counted as supervised (scored at every step), else None.
-
-    Raises:
-        ConfigError: the drafter kind scores a draft vocabulary of its own (EAGLE-3).
-    """
+def loss_tokens(store: Store, cfg: RunConfig, features: FeatureSource,
+                draft: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`train.sampled_softmax`: the ids always scored, every token tokenize counted as supervised, in the head's own
+    ids (the draft vocabulary's, `draft` = (d2t, t2d), for a kind that has one), else None."""
     if not cfg.train.sampled_softmax:
         return None
-    if drafter_spec(cfg.drafter.kind).draft_vocab:
-        raise ConfigError(f"train.sampled_softmax is for DFlash; drafter.kind={cfg.drafter.kind} already scores "
-                          "a draft vocabulary (drafter.draft_vocab_size): unset train.sampled_softmax")
     from draftflow.data.schema import read_rows
 
-    return torch.tensor(sorted(r["token_id"] for r in read_rows(token_counts(store, features))), dtype=torch.int64)
+    ids = torch.tensor(sorted(r["token_id"] for r in read_rows(token_counts(store, features))), dtype=torch.int64)
+    if draft is None:
+        return ids
+    from draftflow.drafters.eagle3.vocab import draft_ids
+
+    return draft_ids(ids, draft[1])
 
 
 @dataclass
@@ -168,7 +168,7 @@ def train_here(store: Store, cfg: RunConfig, target: TargetRef, features: Featur
     samples, tokens = training_samples(store, cfg, target, dcfg, features)
     push = (lambda folder: push_checkpoint(store, mirror, folder)) if mirror else None
     hooks = Hooks(on_checkpoint=push, on_heldout=publish_heldout)
-    start = Start(vocab, loss_tokens(store, cfg, features), init, cfg.drafter)
+    start = Start(vocab, loss_tokens(store, cfg, features, vocab), init, cfg.drafter)
     metrics = train_drafter(samples, model, dcfg, cfg.train, out, start=start, hooks=hooks)
     return Trained(metrics, model.config, len(samples), tokens)
 

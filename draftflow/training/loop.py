@@ -184,7 +184,7 @@ class Start:
     taken from tokenize's token counts, and a warm start."""
 
     draft: tuple[torch.Tensor, torch.Tensor] | None = None  # EAGLE-3: (d2t, t2d), its draft vocabulary
-    loss_tokens: torch.Tensor | None = None  # DFlash, train.sampled_softmax: the token ids always scored
+    loss_tokens: torch.Tensor | None = None  # train.sampled_softmax: the ids always scored (EAGLE-3: draft ids)
     # train.init_from: (`warm.InitDrafter`, the drafter loaded from it); every weight starts from its (checked to
     # fit first), and train.init_from_target is then not applied
     init: tuple[Any, Any] | None = None

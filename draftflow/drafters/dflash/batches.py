@@ -8,7 +8,6 @@ it imports, nor of the training loop.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,30 +34,6 @@ class BlockBatch:
 
     def to(self, device: torch.device | str) -> BlockBatch:
         return BlockBatch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
-
-
-def sampled_vocab(labels: torch.Tensor, keep: torch.Tensor, vocab_size: int, negatives: int,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tokens a sampled-softmax step scores, and their log-Q correction.
-
-    Every id in `keep` (the supervised tokens tokenize counted) and in `labels` is scored exactly
-    (bias 0); `negatives` more are drawn uniformly without replacement from the rest of the
-    vocabulary, each biased by log(rest / negatives) so the sum over them estimates the rest's share
-    of the softmax's normaliser (Bengio & Senecal 2008; Jean et al. 2015, arXiv 1412.2007).
-
-    Returns:
-        (sorted ids (K,), bias (K,) float32).
-    """
-    exact = torch.cat([keep, labels[labels != IGNORE]]).unique()
-    rest = torch.ones(vocab_size, dtype=torch.bool)
-    rest[exact] = False
-    pool = rest.nonzero().squeeze(1)
-    drawn = pool[torch.randperm(pool.numel(), generator=generator)[: min(negatives, pool.numel())]]
-    ids, order = torch.cat([exact, drawn]).sort()
-    bias = torch.zeros(ids.numel())
-    if drawn.numel():
-        bias[exact.numel():] = math.log(pool.numel() / drawn.numel())
-    return ids, bias[order]
 
 
 def select_anchors(
@@ -123,8 +98,3 @@ def build_training_batch(
     if anchors.numel() == 0:
         return None
     return make_block_batch(sample, anchors, block_size, mask_token_id)
-
-
-def anchor_generator(seed: int, step: int, j: int) -> torch.Generator:
-    """Anchor RNG of the j-th sequence in step `step` (derived, so resume needs no RNG replay)."""
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4096 + j)

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from draftflow.config import DrafterConfig, TrainConfig
-from draftflow.drafters.batches import IGNORE
-from draftflow.drafters.dflash.batches import BlockBatch, anchor_generator, build_training_batch, sampled_vocab
+from draftflow.drafters.batches import IGNORE, sampled_vocab, step_generator
+from draftflow.drafters.dflash.batches import BlockBatch, build_training_batch
 from draftflow.drafters.dflash.config import DFlashConfig
 from draftflow.drafters.objectives import (
     REACH_FLOOR,
@@ -128,7 +128,7 @@ class DFlashObjective:
         return b
 
     def batch(self, sample: FeatureSample, step: int, j: int) -> BlockBatch | None:
-        gen = anchor_generator(self.tcfg.seed, step, j)
+        gen = step_generator(self.tcfg.seed, step, j)
         b = self._blocks(sample, gen)
         if b is not None and self.tcfg.sampled_softmax and self.loss_tokens is not None:  # same generator: resumable
             b.vocab, b.vocab_bias = sampled_vocab(b.labels, self.loss_tokens, self.cfg.vocab_size,
@@ -143,7 +143,7 @@ class DFlashObjective:
 
     def heldout_batch(self, sample: FeatureSample, j: int) -> BlockBatch | None:
         """Blocks of a held-out sequence at fixed anchors, scored over the whole vocabulary (as decoding is)."""
-        return self._blocks(sample, anchor_generator(self.tcfg.seed, HELDOUT_STEP, j))
+        return self._blocks(sample, step_generator(self.tcfg.seed, HELDOUT_STEP, j))
 
     def weight(self, b: BlockBatch) -> float:
         return float((self.weights * (b.labels.view(-1, self.B) != IGNORE)).sum())

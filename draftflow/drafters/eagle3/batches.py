@@ -22,6 +22,10 @@ class Eagle3Batch:
     supervised: torch.Tensor  # (1, K, R) bool: x_{t+2+i} exists and loss_mask[t+2+i]
     read: torch.Tensor  # (1, T) bool: positions whose target distribution a supervised row is scored against
     key: str = ""  # the sequence's sample id: what the target computed for it once is kept under it
+    # train.sampled_softmax: the draft ids the head scores (sorted) and their log-Q bias (`batches.sampled_vocab`);
+    # None = the whole draft vocabulary
+    vocab: torch.Tensor | None = None
+    vocab_bias: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> Eagle3Batch:
         return Eagle3Batch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})

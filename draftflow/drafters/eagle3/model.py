@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.pruned import read_positions, scored_rows, scored_unroll, with_exact
 from draftflow.errors import ConfigError
 from draftflow.models.attention import sdpa_attention
 from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
@@ -229,65 +230,6 @@ class Eagle3Drafter(SharedTargetDrafter):
             out.append(self.logits(hidden))
         return out
 
-    def pruned(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, keep) -> None:
-        """The unroll with step i >= 1 run only on some rows (B = 1; `unroll`'s inputs): `keep(i, rows, hidden)` gets
-        step i's rows (n,) and their output hidden (1, n, D) and returns which of them step i+1 runs ((n,) bool).
-        Exact for every row it runs: a row of step i reads step 0's keys up to its own and its own earlier steps'
-        (the unroll mask), so the rows left out cannot change it. Step 0 runs every row: they are its keys."""
-        R, K = feats.shape[1], step_ids.shape[1]
-        hidden = self.fc(feats.to(self.fc.weight.dtype))
-        rows = torch.arange(R, device=feats.device)
-        causal = rows[:, None] >= rows[None, :]  # step 0's keys up to the row
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for i in range(K):
-            mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
-            hidden, kv = self.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
-            alive = keep(i, rows, hidden)
-            rows, hidden, causal = rows[alive], hidden[:, alive], causal[alive]
-            # step 0's keys serve every row; later steps' only their own row, so they follow the rows still run
-            past = [(k[:, :, alive], v[:, :, alive]) if j else (k, v) for j, (k, v) in enumerate([*past, kv])]
-            if not rows.numel():
-                return
-
-    def scored_unroll(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor,
-                      scored: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The unroll's logits where a loss reads them: (rows (n_i,), logits (1, n_i, Vd)) per step for `scored`
-        (1, K, R) bool (supervised, the target's argmax a draft token). Step i >= 1 runs only the rows some step >= i
-        scores and the LM head only the rows step i scores (`pruned`): a prompt's rows are step 0's keys and nothing
-        more. The same logits at those rows as `unroll`'s (tests/test_eagle3_model.py), at ~3/4 of its cost on the
-        rehearsal's sequences (30% of their rows are prompt)."""
-        K = step_ids.shape[1]
-        needed = scored[0].flip(0).cumsum(0).flip(0) > 0  # (K, R): some step >= i scores the row
-        out: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-        def keep(i, rows, hidden):
-            at = scored[0, i, rows]
-            out.append((rows[at], self.logits(hidden[:, at])))
-            return needed[i + 1, rows] if i + 1 < K else torch.zeros_like(at)
-
-        self.pruned(feats, step_ids, pos, keep)
-        none = (torch.zeros(0, dtype=torch.int64, device=feats.device),
-                feats.new_zeros(1, 0, self.lm_head.out_features, dtype=self.lm_head.weight.dtype))
-        return out + [none] * (K - len(out))
-
-    @torch.no_grad()
-    def leading(self, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, choice: torch.Tensor,
-                valid: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced accepted drafts per row: the unroll's leading run of steps whose argmax equals `choice`
-        (B = 1; `unroll`'s inputs, and (1, K, R) the target's choice in draft ids and where it counts). Equal to
-        counting over `unroll`'s logits, but step i >= 1 runs only the rows whose drafts all matched so far
-        (`pruned`). A held-out measurement then costs about one step instead of K (SmolLM2: 5.2 s -> ~1 s each,
-        ~35% of EAGLE-3's training time at 610 steps). Returns (rows valid at step 0,) int64."""
-        counts = torch.zeros(feats.shape[1], dtype=torch.int64, device=feats.device)
-
-        def keep(i, rows, hidden):
-            alive = (self.logits(hidden)[0].argmax(-1) == choice[0, i, rows]) & valid[0, i, rows]
-            counts[rows[alive]] += 1
-            return alive
-
-        self.pruned(feats, step_ids, pos, keep)
-        return counts[valid[0, 0]]
-
     @torch.no_grad()
     def soft_targets(self, final_hidden: torch.Tensor,
                      in_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,7 +265,8 @@ class Eagle3Drafter(SharedTargetDrafter):
         return probs, in_vocab
 
     def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None,
-                supervised: torch.Tensor | None = None, in_vocab: torch.Tensor | None = None):
+                supervised: torch.Tensor | None = None, in_vocab: torch.Tensor | None = None,
+                columns: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets (only at the
         positions `read`, (B, T') bool, when given: `soft_targets_at`; `in_vocab`: an earlier call's for the same
         sequence, with `read`).
@@ -331,7 +274,9 @@ class Eagle3Drafter(SharedTargetDrafter):
         Returns:
             (logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D): logits a list of K
             (B, T, Vd), or with `supervised` (1, K, R) `scored_unroll`'s (rows, logits) at the rows supervised
-            whose target's argmax is a draft token.
+            whose target's argmax is a draft token. With `columns` (train.sampled_softmax: sorted draft ids and their
+            log-Q bias) the head scores those ids and the target's argmax at every scored row, and probs holds the
+            same columns.
         """
         if read is None:
             probs, in_vocab = self.soft_targets(final_hidden)
@@ -339,7 +284,12 @@ class Eagle3Drafter(SharedTargetDrafter):
             probs, in_vocab = self.soft_targets_at(final_hidden, read, in_vocab)
         if supervised is None:
             return self.unroll(feats, step_ids, pos), probs, in_vocab
-        return self.scored_unroll(feats, step_ids, pos, scored_rows(supervised, in_vocab)), probs, in_vocab
+        scored = scored_rows(supervised, in_vocab)
+        if columns is not None:  # the target's argmax where scored: always exact, so a hit is still a hit
+            at = read_positions(*supervised.shape[1:], probs.shape[1], probs.device)
+            columns = with_exact(*columns, probs[0].argmax(-1)[at][scored[0]])
+            probs = probs[..., columns[0]]
+        return scored_unroll(self, feats, step_ids, pos, scored, columns), probs, in_vocab
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:
@@ -356,14 +306,6 @@ class Eagle3Drafter(SharedTargetDrafter):
                      where: str) -> Eagle3Drafter:
         """A drafter holding exactly `weights` (draftflow names, d2t/t2d included)."""
         return load_exact(cls(cfg, target_model, weights.get("d2t"), weights.get("t2d")), weights, where)
-
-
-def scored_rows(supervised: torch.Tensor, in_vocab: torch.Tensor) -> torch.Tensor:
-    """(1, K, R) the unroll's rows a loss scores: supervised (1, K, R), and the target's argmax at the position step i,
-    row t is scored against (t+1+i) a draft token (`in_vocab` (1, T))."""
-    K, R = supervised.shape[1:]
-    at = torch.arange(R, device=supervised.device)[None, :] + 1 + torch.arange(K, device=supervised.device)[:, None]
-    return supervised & in_vocab[:, at.clamp(max=in_vocab.shape[1] - 1)]
 
 
 @torch.no_grad()

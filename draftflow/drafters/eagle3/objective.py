@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.drafters.batches import sampled_vocab, step_generator
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
+from draftflow.drafters.eagle3.pruned import leading, read_positions, scored_rows
 from draftflow.drafters.objectives import (
     REACH_FLOOR,
     LossStats,
@@ -157,6 +159,9 @@ class Eagle3Objective:
         self._choices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # held-out sequence -> `target_choice`
         self._in_vocab: dict[str, torch.Tensor] = {}  # training sequence -> where the target's argmax is a draft token
         self._in_vocab_positions = 0
+        # train.sampled_softmax: the draft ids always scored (set by the loop: tokenize's supervised tokens)
+        self.sampled, self.seed = tcfg.sampled_softmax, tcfg.seed
+        self.loss_tokens: torch.Tensor | None = None
 
     def reweight(self, acceptance: list[float]) -> None:
         """After a held-out measurement (and on resume, from the history): under `train.gamma: measured`, unroll
@@ -165,7 +170,15 @@ class Eagle3Objective:
             self.step_weights = reach_steps(acceptance, self.cfg.ttt_steps)
 
     def batch(self, sample: FeatureSample, step: int, j: int) -> Eagle3Batch | None:
-        return make_eagle3_batch(sample, len(self.step_weights))  # deterministic: every row is used
+        """Every row (deterministic); under `train.sampled_softmax` the draft ids its head scores: every supervised
+        token's (`loss_tokens`, in draft ids) and that many others drawn from the rest of the draft vocabulary."""
+        b = make_eagle3_batch(sample, len(self.step_weights))
+        if b is not None and self.sampled and self.loss_tokens is not None:  # the step's generator: resumable
+            b.vocab, b.vocab_bias = sampled_vocab(self.loss_tokens[:0], self.loss_tokens, self.cfg.draft_vocab_size,
+                                                  self.sampled, step_generator(self.seed, step, j))
+            if b.vocab.numel() == self.cfg.draft_vocab_size:  # the data fills the draft vocabulary: the whole head
+                b.vocab = b.vocab_bias = None
+        return b
 
     def heldout_batch(self, sample: FeatureSample, j: int) -> Eagle3Batch | None:
         return make_eagle3_batch(sample, self.cfg.ttt_steps)
@@ -179,7 +192,8 @@ class Eagle3Objective:
         decay beyond the trained steps: its loss is not used, only its statistics)."""
         known = self._in_vocab.get(b.key)
         logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read, b.supervised,
-                                          None if known is None else known.to(b.final.device))
+                                          None if known is None else known.to(b.final.device),
+                                          None if b.vocab is None else (b.vocab, b.vocab_bias))
         self._keep_in_vocab(b.key, in_vocab, known)
         weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
@@ -196,23 +210,17 @@ class Eagle3Objective:
 
     def accepted(self, drafter, b: Eagle3Batch, key: int) -> torch.Tensor:
         """A held-out sequence's accepted drafts per row (`heldout.measure`; as `loss(...).leading` counts them), by
-        the drafter's pruned unroll (`Eagle3Drafter.leading`); the target's choices are kept by `key` (the frozen
+        the drafter's pruned unroll (`pruned.leading`); the target's choices are kept by `key` (the frozen
         head over fixed features: the same at every measurement, ~a quarter of one)."""
         if key not in self._choices:
             self._choices[key] = tuple(t.cpu() for t in target_choice(drafter, b))
         choice, valid = (t.to(b.feats.device) for t in self._choices[key])
-        return drafter.leading(b.feats, b.step_ids, b.pos, choice, valid).cpu()
+        return leading(drafter, b.feats, b.step_ids, b.pos, choice, valid).cpu()
 
 
 def target_choice(drafter, b: Eagle3Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(1, K, R) the target's greedy token in draft ids that step i, row t is checked against, and (1, K, R) where it
-    counts: supervised, with a target position, and the target's argmax in the draft vocabulary (`eagle3_loss`)."""
+    counts (`scored_rows`: supervised, the target's argmax a draft token)."""
     probs, in_vocab = drafter.soft_targets_at(b.final, b.read)
-    K, R = b.supervised.shape[1:]
-    choice = torch.zeros(1, K, R, dtype=torch.int64, device=probs.device)
-    valid = torch.zeros(1, K, R, dtype=torch.bool, device=probs.device)
-    for i in range(K):
-        n = min(R, probs.shape[1] - 1 - i)
-        choice[0, i, :n] = probs[0, 1 + i : 1 + i + n].argmax(-1)
-        valid[0, i, :n] = b.supervised[0, i, :n] & in_vocab[0, 1 + i : 1 + i + n]
-    return choice, valid
+    at = read_positions(*b.supervised.shape[1:], probs.shape[1], probs.device)
+    return probs[0].argmax(-1)[at][None], scored_rows(b.supervised, in_vocab)

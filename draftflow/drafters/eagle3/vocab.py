@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
+
 
 def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list[bool]]:
     """EAGLE-3 draft vocabulary: the top-n supervised tokens (ties by id), in id order.
@@ -25,3 +27,10 @@ def draft_vocab(freq: Counter, vocab_size: int, n: int) -> tuple[list[int], list
     for t in used:
         t2d[t] = True
     return [t - i for i, t in enumerate(used)], t2d
+
+
+def draft_ids(token_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """The draft ids of the target ids `token_ids` that are in the draft vocabulary (`t2d` (vocab_size,) bool), in
+    their order: a draft id counts the draft tokens before it (`i + d2t[i]` is the i-th id marked in t2d)."""
+    token_ids = token_ids[token_ids < t2d.numel()]
+    return (torch.cumsum(t2d.long(), 0) - 1)[token_ids[t2d[token_ids]]]
