@@ -70,7 +70,7 @@ def train_variant(store, cfg, target, features) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         m = train_drafter(source, model, dcfg, cfg.train, out, resume=False,
-                          start=Start(vocab, loss_tokens(store, cfg, features)))
+                          start=Start(vocab, loss_tokens(store, cfg, features, vocab)))
         took = time.perf_counter() - start
     history = m.get("heldout") or []
     best = max(history, key=lambda h: h["tau"] or 0.0) if history else {}

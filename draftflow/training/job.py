@@ -128,7 +128,7 @@ def drafter_config(store: Store, cfg: RunConfig, model, tokenizer, features: Fea
 
 
 def loss_tokens(store: Store, cfg: RunConfig, features: FeatureSource,
-                draft: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+                draft: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
     """`train.sampled_softmax`: the ids always scored, every token tokenize counted as supervised, in the head's own
     ids (the draft vocabulary's, `draft` = (d2t, t2d), for a kind that has one), else None."""
     if not cfg.train.sampled_softmax:
