@@ -250,14 +250,18 @@ def test_measured_unroll_trains_only_the_steps_decoding_reaches(samples, ecfg, d
     assert paper.batch(sample, 0, 0).step_ids.shape[1] == K and paper.step_weights == [0.8**i for i in range(K)]
     b = measured.batch(sample, 0, 0)
     assert b.step_ids.shape[1] == 2 and measured.step_weights == [1.0, 0.3]
-    assert measured.weight(b) == pytest.approx(float(b.supervised[0, 0].sum()) + 0.3 * float(b.supervised[0, 1].sum()))
+    assert measured.weight(b) == float(b.supervised[0, 0].sum())  # each reached row weighs 1: step 0's rows normalise
+    assert paper.weight(b) == pytest.approx(float(b.supervised[0, 0].sum()) + 0.8 * float(b.supervised[0, 1].sum()))
     stats = measured.loss(drafter, b)
-    assert stats.correct.shape == stats.valid.shape == (K,) and stats.valid[2] == 0 < stats.valid[1]
+    assert stats.correct.shape == stats.valid.shape == (K,) and stats.valid[2] == 0
+    assert stats.valid[1] <= stats.correct[0]  # step 1 runs on the rows whose step-0 draft was accepted only
     held = measured.heldout_batch(sample, 0)  # held-out batches hold every step
-    assert held.step_ids.shape[1] == K and measured.loss(drafter, held).valid[K - 1] > 0
+    assert held.step_ids.shape[1] == K
 
 
 def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, target, samples, ecfg, vocab):
+    # one thread count throughout: the chooser's probes at other steps in a resumed run round reductions differently
+    monkeypatch.setenv("DRAFTFLOW_TORCH_THREADS", "1")
     full = train_drafter(samples, target, ecfg, tcfg(), str(tmp_path / "a"), start=Start(vocab))
     restore = preempt_training(monkeypatch, at=7)  # dies during step 7, after the step-4 checkpoint
     with pytest.raises(RuntimeError, match="preempted"):

@@ -13,7 +13,7 @@ import torch
 from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.model import Eagle3Drafter, ttt_attention_mask
 from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, every_row
-from draftflow.drafters.eagle3.pruned import leading, scored_rows, scored_unroll, with_exact
+from draftflow.drafters.eagle3.pruned import Scoring, leading, scored_rows, scored_unroll, with_exact
 from draftflow.drafters.eagle3.vocab import draft_ids
 from draftflow.features import FeatureSample
 from draftflow.training.loop import Start, train_drafter
@@ -65,6 +65,28 @@ def test_the_scored_unroll_gives_the_whole_unrolls_loss_and_gradients(drafter, s
 
 
 
+def test_training_unrolls_a_step_only_on_the_rows_whose_drafts_before_it_were_accepted(drafter, samples):
+    """`train.gamma: measured`: decoding never verifies a draft after a rejected one, so neither does training."""
+    g, depths = torch.Generator().manual_seed(5), Counter()
+    for sample in samples:
+        b = make_eagle3_batch(sample, K)
+        scored = scored_rows(b.supervised, drafter.soft_targets_at(b.final, b.read)[1])[0]  # (K, R)
+        with torch.no_grad():
+            whole = drafter.unroll(b.feats, b.step_ids, b.pos)
+        own = torch.stack([lg[0].argmax(-1) for lg in whole])  # (K, R) the drafter's own drafts
+        choice = torch.where(torch.rand(own.shape, generator=g) < 0.7, own, (own + 1) % VD)
+        reached = scored.clone()
+        for i in range(1, K):  # scored, and every earlier step scored and accepted
+            reached[i] &= reached[i - 1] & (own[i - 1] == choice[i - 1])
+        with torch.no_grad():
+            got = scored_unroll(drafter, b.feats, b.step_ids, b.pos, scored[None], None, choice)
+        for i, (rows, logits) in enumerate(got):
+            assert torch.equal(rows, reached[i].nonzero().squeeze(1)), i
+            torch.testing.assert_close(logits[0], whole[i][0, rows], rtol=1e-5, atol=1e-5)
+            depths[i] += rows.numel()
+    assert depths[0] > depths[1] > depths[2] > 0  # fewer rows each step, and some at every step
+
+
 def test_a_second_visit_reuses_the_targets_choices_and_scores_the_same(drafter, samples, ecfg):
     objective = Eagle3Objective(ecfg, tcfg())
     b = objective.batch(samples[0], 0, 0)
@@ -112,19 +134,19 @@ def test_the_sampled_head_scoring_every_draft_token_is_the_whole_heads_loss(draf
 
 def test_the_sampled_head_scores_fewer_columns_keeps_every_target_choice_and_trains(tmp_path, drafter, samples, ecfg,
                                                                                     target, vocab):
-    objective = Eagle3Objective(ecfg, tcfg(sampled_softmax=8))
+    objective = Eagle3Objective(ecfg, tcfg(sampled_softmax=8, recipe="paper"))  # every row: comparable counts
     objective.loss_tokens = torch.arange(0, VD, 4)  # a quarter of the draft vocabulary always scored
     b = objective.batch(samples[0], 0, 0)
     assert b.vocab.numel() == VD // 4 + 8 and torch.equal(objective.batch(samples[0], 0, 0).vocab, b.vocab)
     assert not torch.equal(objective.batch(samples[0], 1, 0).vocab, b.vocab)  # another step draws others
-    logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read, b.supervised, None,
-                                      (b.vocab, b.vocab_bias))
+    logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read, None,
+                                      Scoring(b.supervised, (b.vocab, b.vocab_bias)))
     assert VD // 4 + 8 <= probs.shape[-1] < VD and all(lg.shape[-1] == probs.shape[-1] for _, lg in logits)
-    whole = Eagle3Objective(ecfg, tcfg()).loss(drafter, make_eagle3_batch(samples[0], K))
+    whole = Eagle3Objective(ecfg, tcfg(recipe="paper")).loss(drafter, make_eagle3_batch(samples[0], K))
     # the target's choice at every scored row is a column, so the hits are the whole head's where the drafter's
     # own argmax is among the columns, and never more
     assert torch.equal(objective.loss(drafter, b).valid, whole.valid)
-    kw = dict(max_steps=40, batch_size=2)
+    kw = dict(max_steps=40, batch_size=2, recipe="paper")  # the paper's loss: one scale from step to step
     got = train_drafter(samples, target, ecfg, tcfg(sampled_softmax=8, **kw), str(tmp_path / "s"),
                         start=Start(vocab, loss_tokens=objective.loss_tokens))
     train_drafter(samples, target, ecfg, tcfg(**kw), str(tmp_path / "w"), start=Start(vocab))

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftflow.drafters.eagle3.config import Eagle3Config
-from draftflow.drafters.eagle3.pruned import read_positions, scored_rows, scored_unroll, with_exact
+from draftflow.drafters.eagle3.pruned import Scoring, read_positions, scored_rows, scored_unroll, with_exact
 from draftflow.errors import ConfigError
 from draftflow.models.attention import sdpa_attention
 from draftflow.models.blocks import MLP, RMSNorm, apply_rope, rope_cos_sin
@@ -265,31 +265,31 @@ class Eagle3Drafter(SharedTargetDrafter):
         return probs, in_vocab
 
     def forward(self, feats, step_ids, pos, final_hidden, read: torch.Tensor | None = None,
-                supervised: torch.Tensor | None = None, in_vocab: torch.Tensor | None = None,
-                columns: tuple[torch.Tensor, torch.Tensor] | None = None):
+                in_vocab: torch.Tensor | None = None, scoring: Scoring | None = None):
         """Training forward (one call, so a wrapped module sees it): unroll logits and soft targets (only at the
         positions `read`, (B, T') bool, when given: `soft_targets_at`; `in_vocab`: an earlier call's for the same
         sequence, with `read`).
 
         Returns:
             (logits, probs (B, T', Vd), in_vocab (B, T')) for `final_hidden` (B, T', D): logits a list of K
-            (B, T, Vd), or with `supervised` (1, K, R) `scored_unroll`'s (rows, logits) at the rows supervised
-            whose target's argmax is a draft token. With `columns` (train.sampled_softmax: sorted draft ids and their
-            log-Q bias) the head scores those ids and the target's argmax at every scored row, and probs holds the
-            same columns.
+            (B, T, Vd), or with `scoring` `scored_unroll`'s (rows, logits) at the rows supervised whose target's
+            argmax is a draft token. With `scoring.columns` (train.sampled_softmax) the head scores those draft ids
+            and the target's argmax at every scored row, and probs holds the same columns.
         """
         if read is None:
             probs, in_vocab = self.soft_targets(final_hidden)
         else:
             probs, in_vocab = self.soft_targets_at(final_hidden, read, in_vocab)
-        if supervised is None:
+        if scoring is None:
             return self.unroll(feats, step_ids, pos), probs, in_vocab
-        scored = scored_rows(supervised, in_vocab)
+        scored, columns = scored_rows(scoring.supervised, in_vocab), scoring.columns
+        choice = probs[0].argmax(-1)[read_positions(*scored.shape[1:], probs.shape[1], probs.device)]  # (K, R)
         if columns is not None:  # the target's argmax where scored: always exact, so a hit is still a hit
-            at = read_positions(*supervised.shape[1:], probs.shape[1], probs.device)
-            columns = with_exact(*columns, probs[0].argmax(-1)[at][scored[0]])
+            columns = with_exact(*columns, choice[scored[0]])
             probs = probs[..., columns[0]]
-        return scored_unroll(self, feats, step_ids, pos, scored, columns), probs, in_vocab
+            choice = torch.searchsorted(columns[0], choice)  # in the columns (where scored)
+        unrolled = scored_unroll(self, feats, step_ids, pos, scored, columns, choice if scoring.reached else None)
+        return unrolled, probs, in_vocab
 
     @classmethod
     def load(cls, in_dir: str | Path, target_model: nn.Module) -> Eagle3Drafter:

@@ -12,7 +12,7 @@ from draftflow.config import DrafterConfig, TrainConfig
 from draftflow.drafters.batches import sampled_vocab, step_generator
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
-from draftflow.drafters.eagle3.pruned import leading, read_positions, scored_rows
+from draftflow.drafters.eagle3.pruned import Scoring, leading, read_positions, scored_rows
 from draftflow.drafters.objectives import (
     REACH_FLOOR,
     LossStats,
@@ -184,18 +184,28 @@ class Eagle3Objective:
         return make_eagle3_batch(sample, self.cfg.ttt_steps)
 
     def weight(self, b: Eagle3Batch) -> float:
+        """The loss's normaliser, known before the forward pass: the paper's decayed count of supervised rows; under
+        `train.gamma: measured` the rows of step 0 (the loss sums each row's chain over the steps decoding reaches:
+        the step-0 loss plus what the reached later steps add)."""
+        if self.measured:
+            return float(b.supervised[0, 0].sum())
         unrolled = self.step_weights[: b.supervised.shape[1]]
         return sum(d * float(b.supervised[0, i].sum()) for i, d in enumerate(unrolled))
 
     def loss(self, drafter, b: Eagle3Batch) -> LossStats:
         """A training batch unrolls `len(self.step_weights)` steps, a held-out one every step (weighed as the paper's
-        decay beyond the trained steps: its loss is not used, only its statistics)."""
+        decay beyond the trained steps: its loss is not used, only its statistics). Under `train.gamma: measured`
+        step i >= 1 runs only the rows decoding reaches (`Scoring.reached`) and each weighs 1: the rows present are
+        the reach (`weight` counts step 0's rows)."""
         known = self._in_vocab.get(b.key)
-        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read, b.supervised,
+        columns = None if b.vocab is None else (b.vocab, b.vocab_bias)
+        logits, probs, in_vocab = drafter(b.feats, b.step_ids, b.pos, b.final, b.read,
                                           None if known is None else known.to(b.final.device),
-                                          None if b.vocab is None else (b.vocab, b.vocab_bias))
+                                          Scoring(b.supervised, columns, reached=self.measured))
         self._keep_in_vocab(b.key, in_vocab, known)
         weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
+        if self.measured:
+            weights = [1.0] * len(logits)
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
             return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
         return eagle3_options_loss(logits, probs, in_vocab, b.supervised, weights, self.options, self.n_slots)

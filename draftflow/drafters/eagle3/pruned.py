@@ -1,14 +1,26 @@
 """EAGLE-3's unroll run only where it counts (`draftflow.drafters.eagle3.model` writes the unroll down): in training the
 rows a loss scores and the head's columns a sampled softmax draws (`scored_unroll`), in a held-out measurement the rows
 still accepting (`leading`). Exact where it runs: row t of unroll step i reads step 0's keys up to its own and its own
-earlier steps' (the unroll mask), so the rows left out cannot change it (tests/test_eagle3_model.py checks both
+earlier steps' (the unroll mask), so the rows left out cannot change it (tests/test_eagle3_pruned.py checks both
 against the whole unroll).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What a training forward scores (`Eagle3Drafter.forward`, then `scored_unroll`)."""
+
+    supervised: torch.Tensor  # (1, K, R) bool (`make_eagle3_batch`)
+    columns: tuple[torch.Tensor, torch.Tensor] | None = None  # train.sampled_softmax: (sorted draft ids, log-Q bias)
+    # step i+1 runs only the rows whose step-i draft the target chose (decoding reaches no other; `scored_unroll`)
+    reached: bool = False
 
 
 def read_positions(K: int, R: int, T: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -53,13 +65,19 @@ def pruned(drafter, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tens
         if not rows.numel():
             return
 
+
 def scored_unroll(drafter, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, scored: torch.Tensor,
-                  columns: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[tuple[torch.Tensor, ...]]:
+                  columns: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  choice: torch.Tensor | None = None) -> list[tuple[torch.Tensor, ...]]:
     """The unroll's logits where a loss reads them: (rows (n_i,), logits (1, n_i, Vd)) per step for `scored`
     (1, K, R) bool (supervised, the target's argmax a draft token). Step i >= 1 runs only the rows some step >= i
     scores and the LM head only the rows step i scores (`pruned`): a prompt's rows are step 0's keys and nothing
-    more. The same logits at those rows as `unroll`'s (tests/test_eagle3_model.py), at ~3/4 of its cost on the
-    rehearsal's sequences (30% of their rows are prompt). `columns`: (draft ids, bias) the head scores, else all."""
+    more. The same loss and gradients as `unroll`'s logits (tests/test_eagle3_pruned.py); on the rehearsal's sequences
+    (30% of their rows are prompt) a training step took ~17% less. `columns`: (draft ids, bias) the head scores, else
+    all (`train.sampled_softmax`). `choice` (K, R): the target's choice in the head's columns; given, step i+1 runs
+    only the rows whose step-i draft equals it, the rows decoding reaches (GRIFFIN's token-alignable training, arXiv
+    2502.11018: a draft after a rejected one is never verified, so training it spends the step on nothing decoding
+    uses); their logits are still exactly `unroll`'s."""
     K = step_ids.shape[1]
     if columns is None:
         head = drafter.logits
@@ -74,14 +92,22 @@ def scored_unroll(drafter, feats: torch.Tensor, step_ids: torch.Tensor, pos: tor
 
     def keep(i, rows, hidden):
         at = scored[0, i, rows]
-        out.append((rows[at], head(hidden[:, at])))
-        return needed[i + 1, rows] if i + 1 < K else torch.zeros_like(at)
+        logits = head(hidden[:, at])
+        out.append((rows[at], logits))
+        if i + 1 == K:
+            return torch.zeros_like(at)
+        if choice is None:
+            return needed[i + 1, rows]
+        hit = torch.zeros_like(at)
+        hit[at] = logits[0].detach().argmax(-1) == choice[i, rows[at]]
+        return needed[i + 1, rows] & hit
 
     pruned(drafter, feats, step_ids, pos, keep)
     width = drafter.lm_head.out_features if columns is None else columns[0].numel()
     none = (torch.zeros(0, dtype=torch.int64, device=feats.device),
             feats.new_zeros(1, 0, width, dtype=drafter.lm_head.weight.dtype))
     return out + [none] * (K - len(out))
+
 
 @torch.no_grad()
 def leading(drafter, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tensor, choice: torch.Tensor,
