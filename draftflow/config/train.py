@@ -143,8 +143,9 @@ class TrainConfig(Section):
     grad_clip: float = Field(1.0, gt=0.0)
     num_anchors: int = Field(512, ge=1)
     sampled_softmax: int | None = Field(
-        None, ge=1, description="DFlash: score each block against the supervised tokens tokenize counted plus this "
-        "many others drawn uniformly (log-Q corrected) instead of the whole vocabulary; null = the whole (the paper)")
+        None, ge=1, description="score each block (DFlash) or unroll step (EAGLE-3: of its draft vocabulary) against "
+        "the supervised tokens tokenize counted plus this many others drawn uniformly (log-Q corrected) instead of "
+        "the whole vocabulary; null = the whole (the paper)")
     recipe: Literal["draftflow", "paper"] = Field(
         "draftflow", description="the defaults of the settings below left null: paper = the papers' recipe exactly "
         "(hard labels for DFlash, fixed steps, the last checkpoint); draftflow = layers from the target, held-out "
