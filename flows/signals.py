@@ -211,8 +211,9 @@ def end_now(line: str, code: int) -> None:
 
 
 def _last_words(line: str) -> None:
-    """Write `line` to stderr as the last thing this process writes: stdout and stderr go to /dev/null first, so a
-    thread still running (a shard's progress line, CI 2026-12-06) cannot print after it while the children end."""
+    """Write `line` to stderr as the last thing this process writes, on a line of its own: stdout and stderr go to
+    /dev/null first, so a thread still running (a shard's progress line, CI 2026-12-06) cannot print after it while
+    the children end."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -222,7 +223,9 @@ def _last_words(line: str) -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     for fd in (1, 2):
         os.dup2(devnull, fd)
-    os.write(stderr, f"{line}\n".encode())
+    # on a line of its own: a thread may have written the start of a line whose newline now goes to /dev/null
+    # (print writes the text, then the newline; CI 2026-12-06 saw "progress: regeneratedraftflow: interrupted ...")
+    os.write(stderr, f"\n{line}\n".encode())
 
 
 _ENDING = threading.Lock()  # one thread ends the process; another that gets here waits for its exit

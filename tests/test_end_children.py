@@ -86,3 +86,14 @@ def test_the_one_line_is_the_last_thing_a_run_that_is_ended_writes():
     assert out.stderr.strip().splitlines()[-1].startswith("draftflow: interrupted (SIGTERM)"), out.stderr[-2000:]
     assert out.stderr.count("draftflow: interrupted") == 1 and "progress: regenerate" in out.stderr
     assert "a result" in out.stdout
+
+
+def test_the_one_line_starts_a_line_of_its_own_after_a_line_left_unfinished():
+    # a thread's print writes its text, then its newline: ending between the two left the one line glued to the text
+    code = ("import sys; from flows.signals import end_now\n"
+            "sys.stderr.write('progress: regenerate'); sys.stderr.flush()\n"
+            "end_now('draftflow: interrupted (SIGTERM); re-run the same command to resume', 143)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 143, out.stderr[-2000:]
+    assert out.stderr.splitlines() == ["progress: regenerate", "draftflow: interrupted (SIGTERM); re-run the same "
+                                       "command to resume"], out.stderr
