@@ -203,9 +203,10 @@ class Eagle3Objective:
                                           None if known is None else known.to(b.final.device),
                                           Scoring(b.supervised, columns, reached=self.measured))
         self._keep_in_vocab(b.key, in_vocab, known)
-        weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
-        if self.measured:
+        if self.measured:  # each reached row weighs 1
             weights = [1.0] * len(logits)
+        else:
+            weights = self.step_weights + [self.cfg.ttt_decay**i for i in range(len(self.step_weights), len(logits))]
         if self.options.distill_top_k is None and not self.options.acceptance_loss:  # the paper's recipe
             return eagle3_loss(logits, probs, in_vocab, b.supervised, weights, self.n_slots)
         return eagle3_options_loss(logits, probs, in_vocab, b.supervised, weights, self.options, self.n_slots)
