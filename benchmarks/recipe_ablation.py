@@ -14,10 +14,10 @@ be compared on the same features: `--vary drafter.block_size=3 --vary train.num_
 
 Variants: paper (the papers' recipe exactly), +init (the target's last layers as the start), +distill (soft
 labels, the target's top-k), +acceptance (the acceptance-oriented loss), then combinations, and DFlash's slot
-weights (`train.gamma`: a fixed 0.5, or measured: draftflow's recipe). Every variant runs
-the same steps; its wall time is printed beside it (soft labels add one LM-head pass a step). A measurement, not
-a test: the figures are this
-machine's, and docs/results.md "Recipes" records a dated run.
+weights (`train.gamma`: a fixed 0.5, or measured: draftflow's recipe), and for EAGLE-3 the positions scored read
+off the tokens (`drafter.draftable: tokens`, draftflow's recipe: no pass of the target's whole head). Every variant
+runs the same steps; its wall time is printed beside it (soft labels add one LM-head pass a step). A measurement,
+not a test: the figures are this machine's, and docs/results.md "Recipes" records a dated run.
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # DFlash's slot weights (`train.gamma`): a fixed decay, or the measured reach (draftflow's recipe)
     "+init gamma 0.5": {"recipe": "paper", "init_from_target": True, "gamma": 0.5},
     "+init gamma measured": {"recipe": "paper", "init_from_target": True, "gamma": "measured"},
+    # EAGLE-3: the positions scored read off the tokens, not the target's whole head (`drafter.draftable`)
+    "+init gamma measured +tokens": {"recipe": "paper", "init_from_target": True, "gamma": "measured",
+                                     "draftable": "tokens"},
 }
 
 
@@ -48,10 +51,11 @@ def variant_config(cfg, options: dict[str, Any]):
     measurement on for every variant (keep: last, so `best` below is what keep: best would export)."""
     from draftflow.config import RunConfig
 
-    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss")}
+    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss", "draftable")}
     train = {k: v for k, v in options.items() if k not in drafter}
     data = cfg.model_dump(mode="json")
-    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | drafter
+    own = {"draftable": None} if data["drafter"]["kind"] == "eagle3" else {}  # EAGLE-3's own option
+    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | own | drafter
     every = data["train"]["eval_every"]
     data["train"] |= {"init_from_target": None, "gamma": None} | train | {
         "eval_every": every if isinstance(every, int) else "auto", "keep": "last"}
@@ -70,7 +74,7 @@ def train_variant(store, cfg, target, features) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
         m = train_drafter(source, model, dcfg, cfg.train, out, resume=False,
-                          start=Start(vocab, loss_tokens(store, cfg, features, vocab)))
+                          start=Start(vocab, loss_tokens(store, cfg, features, vocab), drafter=cfg.drafter))
         took = time.perf_counter() - start
     history = m.get("heldout") or []
     best = max(history, key=lambda h: h["tau"] or 0.0) if history else {}
@@ -83,7 +87,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("--set", dest="overrides", action="append", default=[])
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
+    ap.add_argument("--variants", default=None, help="comma-separated names of VARIANTS (default: every one the "
+                    "config's drafter kind has)")
     ap.add_argument("--json", default=None, help="also write the figures here")
     ap.add_argument("--vary", action="append", default=[], metavar="KEY=VALUE",
                     help="set on every variant but not on the run whose features it reads (e.g. drafter.block_size)")
@@ -103,7 +108,9 @@ def main() -> None:
     features = feature_source(manifest)
     varied = load_config(args.config, args.overrides + args.vary) if args.vary else base
     rows = {}
-    for name in args.variants.split(","):
+    names = args.variants.split(",") if args.variants else [
+        n for n, o in VARIANTS.items() if "draftable" not in o or base.drafter.kind == "eagle3"]
+    for name in names:
         cfg = variant_config(varied, VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)
         print(f"{name}: {json.dumps(rows[name])}", flush=True)

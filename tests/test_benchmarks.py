@@ -46,3 +46,15 @@ def test_stage_floors_prints_every_stage_against_its_floor():
     ratios = {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) .*\|\s*([\d.]+) \| .+$", proc.stdout, re.M)}
     assert sorted(ratios) == ["evaluate", "extract", "regenerate", "train"], proc.stdout
     assert all(r > 0 for r in ratios.values()), ratios
+
+
+def test_recipe_ablation_variants_set_eagle3s_scored_positions_and_only_eagle3s():
+    from benchmarks.recipe_ablation import VARIANTS, variant_config
+    from draftflow.config import load_config
+
+    eagle3 = load_config(str(ROOT / "configs/tiny-eagle3.yaml"), ["drafter.draftable=tokens"])
+    assert variant_config(eagle3, VARIANTS["+init gamma measured +tokens"]).drafter.draftable == "tokens"
+    paper = variant_config(eagle3, VARIANTS["paper"])  # the config's own choice does not leak into a variant
+    assert paper.drafter.draftable is None and paper.train.recipe == "paper"
+    with pytest.raises(Exception, match="drafter.draftable"):
+        variant_config(load_config(str(ROOT / "configs/tiny.yaml")), VARIANTS["+init gamma measured +tokens"])

@@ -10,9 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
+from draftflow.config import DrafterConfig
 from draftflow.drafters.eagle3.batches import make_eagle3_batch
 from draftflow.drafters.eagle3.model import Eagle3Drafter, ttt_attention_mask
-from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, every_row
+from draftflow.drafters.eagle3.objective import Eagle3Objective, eagle3_loss, every_row, next_token_draftable
 from draftflow.drafters.eagle3.pruned import Scoring, leading, scored_rows, scored_unroll, with_exact
 from draftflow.drafters.eagle3.vocab import draft_ids
 from draftflow.features import FeatureSample
@@ -88,7 +89,7 @@ def test_training_unrolls_a_step_only_on_the_rows_whose_drafts_before_it_were_ac
 
 
 def test_a_second_visit_reuses_the_targets_choices_and_scores_the_same(drafter, samples, ecfg):
-    objective = Eagle3Objective(ecfg, tcfg())
+    objective = Eagle3Objective(ecfg, tcfg(), DrafterConfig(kind="eagle3", draftable="target"))
     b = objective.batch(samples[0], 0, 0)
     first = objective.loss(drafter, b)
     assert list(objective._in_vocab) == [samples[0].sample_id]
@@ -99,9 +100,48 @@ def test_a_second_visit_reuses_the_targets_choices_and_scores_the_same(drafter, 
 
 
 
+@pytest.mark.parametrize("recipe, draftable, want", [("draftflow", None, "tokens"), ("paper", None, "target"),
+                                                     ("paper", "tokens", "tokens"), ("draftflow", "target", "target")])
+def test_the_positions_scored_follow_the_recipe_unless_set(ecfg, recipe, draftable, want):
+    section = DrafterConfig(kind="eagle3", draftable=draftable)
+    assert Eagle3Objective(ecfg, tcfg(recipe=recipe), section).draftable == want
+
+
+def test_positions_read_off_the_tokens_score_as_the_targets_own_and_never_run_its_whole_head(drafter, samples, ecfg):
+    """The samples are the target's greedy answers: its argmax is the next token, so both rules flag the same
+    positions and the loss is the same; under `tokens` the target's 320-row head never runs."""
+    by_target = Eagle3Objective(ecfg, tcfg(), DrafterConfig(kind="eagle3", draftable="target"))
+    by_tokens = Eagle3Objective(ecfg, tcfg(), DrafterConfig(kind="eagle3", draftable="tokens"))
+    whole_head = []
+    hook = drafter.target_head.register_forward_hook(lambda m, i, o: whole_head.append(i[0].shape))
+    try:
+        for j, sample in enumerate(samples):
+            b = by_target.batch(sample, 0, j)
+            want = by_target.loss(drafter, b)
+            assert len(whole_head) == j + 1  # the target rule: one whole-head pass a first visit
+            flags = next_token_draftable(b, drafter.t2d)
+            assert torch.equal(flags, by_target._in_vocab[b.key]) and flags.any()
+            got = by_tokens.loss(drafter, by_tokens.batch(sample, 0, j))
+            assert torch.equal(got.weighted_sum, want.weighted_sum) and torch.equal(got.valid, want.valid)
+        assert len(whole_head) == len(samples)
+    finally:
+        hook.remove()
+
+
+def test_a_next_token_outside_the_draft_vocabulary_is_not_scored(drafter, samples):
+    b = make_eagle3_batch(samples[0], K)
+    outside = int((~drafter.t2d).nonzero()[0])
+    p = int(b.read[0].nonzero()[0])  # a position read: its next token x_{p+1} is step 0's input at row p
+    assert next_token_draftable(b, drafter.t2d)[0, p]
+    b.step_ids[0, 0, p] = outside
+    flags = next_token_draftable(b, drafter.t2d)
+    assert not flags[0, p] and flags[0, p + 1:].equal(next_token_draftable(make_eagle3_batch(samples[0], K),
+                                                                          drafter.t2d)[0, p + 1:])
+
 
 def test_held_out_acceptance_by_the_pruned_unroll_equals_the_losss_count(drafter, samples, ecfg):
-    objective = Eagle3Objective(ecfg, tcfg())
+    # the state below is not the target's, so its argmax is not the next token: the loss counts as held out does
+    objective = Eagle3Objective(ecfg, tcfg(), DrafterConfig(kind="eagle3", draftable="target"))
     total = 0
     for j, sample in enumerate(samples):
         with torch.no_grad():  # the target's final state made the drafter's own step-0 state: step 0 mostly accepts

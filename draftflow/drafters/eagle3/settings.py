@@ -4,6 +4,8 @@ vocabulary). Plain pydantic, loaded by the config by the kind's name (see `draft
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from draftflow.config.fields import Section
@@ -15,6 +17,11 @@ class Eagle3Settings(Section):
                                   "tokens (counted by tokenize, chosen by train)")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll steps = drafts per round")
     ttt_decay: float = Field(0.8, gt=0.0, le=1.0, description="loss weight of unroll step i is decay^i")
+    draftable: Literal["target", "tokens"] | None = Field(
+        None, description="the positions the loss scores: where the target's argmax over its whole vocabulary is a "
+        "draft token (target: the paper; one pass of the target's whole LM head per training sequence) or where the "
+        "sequence's next token is one (tokens: the same positions for greedy regenerations, no pass of the whole "
+        "head); null = train.recipe's (paper: target, draftflow: tokens)")
 
 
     @field_validator("num_layers")
