@@ -7,6 +7,7 @@ Prefect flow tests share one session-scoped test harness (its server takes
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,6 +24,13 @@ os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def pytest_unconfigure(config):
+    """The session's cache and Prefect home go with it: a session that converted a GGUF left ~0.5 GB in /tmp, and a
+    day of test runs filled this machine's disk."""
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
+
 
 # Tiny models on 2 cores: one intra-op thread each avoids oversubscription (60x slower
 # when tasks on a thread pool, or another process, compete for the cores).
