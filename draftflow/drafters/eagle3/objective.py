@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from draftflow.config import DrafterConfig, TrainConfig
+from draftflow.config import RECIPE_OBJECTIVE, DrafterConfig, TrainConfig
 from draftflow.drafters.batches import sampled_vocab, step_generator
 from draftflow.drafters.eagle3.batches import Eagle3Batch, make_eagle3_batch
 from draftflow.drafters.eagle3.config import Eagle3Config
@@ -164,7 +164,7 @@ class Eagle3Objective:
         # the target's whole head (on the rehearsal's data the two rules agree at 99.98% of positions, and the whole
         # head was a tenth of a 1,200-step run: a first visit's ~0.08 s of a ~0.23 s step)
         own = None if drafter is None else drafter.own(Eagle3Settings).draftable
-        self.draftable = own or ("target" if tcfg.recipe == "paper" else "tokens")
+        self.draftable = own or RECIPE_OBJECTIVE[tcfg.recipe]["draftable"]["eagle3"]
         # train.sampled_softmax: the draft ids always scored (set by the loop: tokenize's supervised tokens)
         self.sampled, self.seed = tcfg.sampled_softmax, tcfg.seed
         self.loss_tokens: torch.Tensor | None = None
