@@ -46,15 +46,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+KIND_OPTIONS = ("draftable",)  # objective options only some kinds own (`drafters/<kind>/settings.py`)
+
+
+def kind_options(kind: str) -> set[str]:
+    """The `KIND_OPTIONS` drafter kind `kind` has."""
+    from draftflow.config.train import kind_settings
+
+    settings = kind_settings(kind)
+    return set(KIND_OPTIONS) & set(settings.model_fields if settings else ())
+
+
 def variant_config(cfg, options: dict[str, Any]):
     """The run config of one variant: the drafter's objective options and the train settings, held-out
     measurement on for every variant (keep: last, so `best` below is what keep: best would export)."""
     from draftflow.config import RunConfig
 
-    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss", "draftable")}
+    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss", *KIND_OPTIONS)}
     train = {k: v for k, v in options.items() if k not in drafter}
     data = cfg.model_dump(mode="json")
-    own = {"draftable": None} if data["drafter"]["kind"] == "eagle3" else {}  # EAGLE-3's own option
+    own = {k: None for k in KIND_OPTIONS if k in kind_options(cfg.drafter.kind)}  # reset where the kind has them
     data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | own | drafter
     every = data["train"]["eval_every"]
     data["train"] |= {"init_from_target": None, "gamma": None} | train | {
@@ -108,8 +119,8 @@ def main() -> None:
     features = feature_source(manifest)
     varied = load_config(args.config, args.overrides + args.vary) if args.vary else base
     rows = {}
-    names = args.variants.split(",") if args.variants else [
-        n for n, o in VARIANTS.items() if "draftable" not in o or base.drafter.kind == "eagle3"]
+    names = args.variants.split(",") if args.variants else [  # the variants whose options the kind has
+        n for n, o in VARIANTS.items() if set(o) & set(KIND_OPTIONS) <= kind_options(base.drafter.kind)]
     for name in names:
         cfg = variant_config(varied, VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)
