@@ -57,6 +57,6 @@ def test_recipe_ablation_variants_set_eagle3s_scored_positions_and_only_eagle3s(
     eagle3 = load_config(str(ROOT / "configs/tiny-eagle3.yaml"), ["drafter.draftable=tokens"])
     assert variant_config(eagle3, VARIANTS["+init gamma measured +tokens"]).drafter.draftable == "tokens"
     paper = variant_config(eagle3, VARIANTS["paper"])  # the config's own choice does not leak into a variant
-    assert paper.drafter.draftable is None and paper.train.recipe == "paper"
+    assert paper.drafter.draftable == "target" and paper.train.recipe == "paper"  # the paper recipe's rule
     with pytest.raises(ValidationError, match="drafter.draftable"):  # a setting DFlash has not
         variant_config(load_config(str(ROOT / "configs/tiny.yaml")), VARIANTS["+init gamma measured +tokens"])

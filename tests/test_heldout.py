@@ -168,6 +168,13 @@ def test_recipes_fill_what_is_left_unset():
         TrainConfig(eval_every="off", keep="best")
     run = RunConfig.model_validate({"train": {"recipe": "paper"}, "drafter": {"kind": "eagle3", "num_layers": 1}})
     assert run.drafter.distill_top_k is None and run.drafter.acceptance_loss is False
+    # a kind's own objective option too (EAGLE-3's scored positions), so a dumped config shows what training uses
+    assert run.drafter.draftable == "target" and run.model_dump()["drafter"]["draftable"] == "target"
+    ours = RunConfig.model_validate({"drafter": {"kind": "eagle3", "num_layers": 1}})
+    assert ours.drafter.draftable == "tokens"
+    written = RunConfig.model_validate({"drafter": {"kind": "eagle3", "draftable": "target"}})
+    assert written.drafter.draftable == "target"  # a value written out wins over the recipe's
+    assert "draftable" not in RunConfig.model_validate({}).model_dump()["drafter"]  # a setting DFlash has not
 
 
 # ----------------------------------------------------------------------------- objective options

@@ -196,12 +196,13 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _objective_recipe(self) -> RunConfig:
-        """The drafter's objective options left null follow `train.recipe` (`RECIPE_OBJECTIVE`)."""
-        chosen = RECIPE_OBJECTIVE[self.train.recipe]
-        if self.drafter.distill_top_k is None:
-            self.drafter.distill_top_k = chosen["distill_top_k"].get(self.drafter.kind)
-        if self.drafter.acceptance_loss is None:
-            self.drafter.acceptance_loss = chosen["acceptance_loss"]
+        """The drafter's objective options left null follow `train.recipe` (`RECIPE_OBJECTIVE`), a kind's own ones
+        (EAGLE-3's `draftable`) too, so a dumped config shows what training uses."""
+        for key, choice in RECIPE_OBJECTIVE[self.train.recipe].items():
+            value = choice.get(self.drafter.kind) if isinstance(choice, dict) else choice
+            has = key in DrafterConfig.model_fields or key in (self.drafter.__pydantic_extra__ or {})  # kind's own
+            if has and value is not None and getattr(self.drafter, key) is None:
+                setattr(self.drafter, key, value)  # the section re-validates (`DrafterConfig.__setattr__`)
         return self
 
     def section(self, name: str) -> Any:
