@@ -46,15 +46,20 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-KIND_OPTIONS = ("draftable",)  # objective options only some kinds own (`drafters/<kind>/settings.py`)
+def objective_options() -> set[str]:
+    """The drafter's objective options, as the recipes fill them (`RECIPE_OBJECTIVE`)."""
+    from draftflow.config import RECIPE_OBJECTIVE
+
+    return set(RECIPE_OBJECTIVE["paper"])
 
 
 def kind_options(kind: str) -> set[str]:
-    """The `KIND_OPTIONS` drafter kind `kind` has."""
-    from draftflow.config.train import kind_settings
+    """The objective options drafter kind `kind` has: the shared ones and those its own settings declare (EAGLE-3's
+    `draftable`, `drafters/<kind>/settings.py`)."""
+    from draftflow.config.train import DrafterConfig, kind_settings
 
     settings = kind_settings(kind)
-    return set(KIND_OPTIONS) & set(settings.model_fields if settings else ())
+    return objective_options() & (set(DrafterConfig.model_fields) | set(settings.model_fields if settings else ()))
 
 
 def variant_config(cfg, options: dict[str, Any]):
@@ -62,11 +67,11 @@ def variant_config(cfg, options: dict[str, Any]):
     measurement on for every variant (keep: last, so `best` below is what keep: best would export)."""
     from draftflow.config import RunConfig
 
-    drafter = {k: v for k, v in options.items() if k in ("distill_top_k", "acceptance_loss", *KIND_OPTIONS)}
+    drafter = {k: v for k, v in options.items() if k in objective_options()}
     train = {k: v for k, v in options.items() if k not in drafter}
     data = cfg.model_dump(mode="json")
-    own = {k: None for k in KIND_OPTIONS if k in kind_options(cfg.drafter.kind)}  # reset where the kind has them
-    data["drafter"] |= {"distill_top_k": None, "acceptance_loss": None} | own | drafter
+    reset = {k: None for k in kind_options(cfg.drafter.kind)}  # each option the kind has, filled by the recipe again
+    data["drafter"] |= reset | drafter
     every = data["train"]["eval_every"]
     data["train"] |= {"init_from_target": None, "gamma": None} | train | {
         "eval_every": every if isinstance(every, int) else "auto", "keep": "last"}
@@ -120,7 +125,7 @@ def main() -> None:
     varied = load_config(args.config, args.overrides + args.vary) if args.vary else base
     rows = {}
     names = args.variants.split(",") if args.variants else [  # the variants whose options the kind has
-        n for n, o in VARIANTS.items() if set(o) & set(KIND_OPTIONS) <= kind_options(base.drafter.kind)]
+        n for n, o in VARIANTS.items() if set(o) & objective_options() <= kind_options(base.drafter.kind)]
     for name in names:
         cfg = variant_config(varied, VARIANTS[name])
         rows[name] = train_variant(store, cfg, target, features)

@@ -215,7 +215,7 @@ class TrainConfig(Section):
 
 # The objective each recipe gives a drafter (docs/results.md "Recipes" has the ablation behind draftflow's): labels
 # by kind (None: the kind's paper labels, hard for DFlash, the whole draft-vocabulary distribution for EAGLE-3), and
-# EAGLE-3's scored positions (its own `drafter.draftable`, read by its objective when left null).
+# EAGLE-3's scored positions (its own `drafter.draftable`); `RunConfig._objective_recipe` fills each left null.
 RECIPE_OBJECTIVE: dict[str, dict[str, Any]] = {
     "paper": {"distill_top_k": {"dflash": 0}, "acceptance_loss": False, "draftable": {"eagle3": "target"}},
     "draftflow": {"distill_top_k": {"dflash": 0}, "acceptance_loss": False, "draftable": {"eagle3": "tokens"}},
