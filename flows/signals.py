@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -234,7 +235,7 @@ _ENDING = threading.Lock()  # one thread ends the process; another that gets her
 def _end_children(grace_s: float = 5.0) -> None:
     """SIGTERM every child process of this one (vLLM engines, torchrun), then SIGKILL whatever is still alive below
     this process after `grace_s` (grandchildren too: a vLLM engine core's workers would otherwise wind down on
-    their own time once it is gone)."""
+    their own time once it is gone), and whatever holds a resource tracker's pipe open."""
     import signal
 
     def below(direct: bool) -> list[int]:
@@ -252,23 +253,65 @@ def _end_children(grace_s: float = 5.0) -> None:
             kids = [p for p, pp in parent.items() if pp == at]
             found += kids
             todo += [] if direct else kids
-        # multiprocessing's resource tracker ignores SIGTERM by design and ends itself, cleaning up, once this
-        # process has exited (its pipe closes): neither waited for nor killed (a killed one leaks and complains)
-        return [pid for pid in found if b"multiprocessing.resource_tracker" not in _cmdline(pid)]
+        return found
+
+    # multiprocessing's resource tracker ignores SIGTERM by design and ends itself, cleaning up, once this process
+    # has exited (its pipe closes): neither waited for nor killed (a killed one leaks and complains); what keeps its
+    # pipe open is ended instead
+    def to_end(pids: list[int]) -> list[int]:
+        return [pid for pid in pids if _tracker_fd(pid) is None]
 
     # the whole tree is read before anything ends: a child that exits first orphans its own children (a vLLM engine
     # core's workers), which are then no longer below this process (CI, 2026-12-06: a worker outlived a run by 3 min)
     tree = below(False)
-    _signal_and_wait(below(True), signal.SIGTERM, grace_s)
-    left = sorted(set(tree) | set(below(False)))
+    _signal_and_wait(to_end(below(True)), signal.SIGTERM, grace_s)
+    left = sorted(set(to_end(tree)) | set(to_end(below(False))))
     for _ in range(KILL_SWEEPS):
         _signal_and_wait(left, signal.SIGKILL, grace_s)
         # what was started while these ended: a shard thread inside vLLM's engine start spawns its engine core after
         # the tree was read (2026-12-06: an engine core outlived a run SIGTERMed in regenerate, and the resource
-        # tracker with it, its pipe kept open)
-        left = below(False)
+        # tracker with it, its pipe kept open); and what holds a tracker's pipe from outside this tree (CI
+        # 2026-12-07: a tracker outlived a run SIGTERMed in regenerate by over 3 min, everything below it gone)
+        now = below(False)
+        left = sorted(set(to_end(now)) | set(_pipe_holders([pid for pid in now if pid not in to_end(now)])))
         if not left:
             break
+
+
+def _tracker_fd(pid: int) -> int | None:
+    """The fd that `pid` reads its pipe on if it is multiprocessing's resource tracker (`...; main(<fd>)`)."""
+    found = re.search(rb"multiprocessing\.resource_tracker import main;main\((\d+)\)", _cmdline(pid))
+    return int(found.group(1)) if found else None
+
+
+def _pipe_holders(trackers: list[int]) -> list[int]:
+    """Processes, other than this one and `trackers`, that hold one of the trackers' pipes open. Each got it from
+    this process (the pipe is this process's), and a tracker ends only once every one of them has closed it."""
+    pipes = set()
+    for pid in trackers:
+        try:
+            pipes.add(os.readlink(f"/proc/{pid}/fd/{_tracker_fd(pid)}"))
+        except OSError:
+            continue
+    holders = []
+    for fds in Path("/proc").glob("[0-9]*/fd") if pipes else []:
+        pid = int(fds.parent.name)
+        if pid == os.getpid() or pid in trackers:
+            continue
+        try:
+            held = list(fds.iterdir())
+        except OSError:  # another user's process, or one that exited meanwhile
+            continue
+        if any(_readlink(fd) in pipes for fd in held):
+            holders.append(pid)
+    return holders
+
+
+def _readlink(path: Path) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return ""
 
 
 KILL_SWEEPS = 5  # rounds of SIGKILL, each for what the last one left or what was started meanwhile
@@ -279,7 +322,7 @@ def _signal_and_wait(pids: list[int], sig: int, wait_s: float) -> None:
     for pid in pids:
         try:
             os.kill(pid, sig)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             pass
     deadline = time.monotonic() + wait_s
     while pids and time.monotonic() < deadline and any(_exists(pid) for pid in pids):

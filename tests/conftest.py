@@ -6,6 +6,7 @@ Prefect flow tests share one session-scoped test harness (its server takes
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -18,6 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="draftflow-tests-"))
+# a process that only imports this module (a spawned worker) and never writes there leaves nothing in /tmp
+atexit.register(lambda: _SESSION_TMP.rmdir() if _SESSION_TMP.is_dir() and not any(_SESSION_TMP.iterdir()) else None)
 # Set before anything imports Prefect: each test session gets its own home and cache.
 os.environ.setdefault("DRAFTFLOW_CACHE", str(_SESSION_TMP / "cache"))
 os.environ["PREFECT_HOME"] = str(_SESSION_TMP / "prefect-home")

@@ -59,6 +59,41 @@ def test_a_grandchild_orphaned_by_its_parent_exiting_is_ended_too(when):
             os.kill(grandchild, signal.SIGKILL)
 
 
+
+# the run starts multiprocessing's resource tracker, then a process that holds the tracker's pipe and escapes the run's
+# tree (it forks and its parent exits; no subreaper catches it): the tracker ends only once every holder has closed
+# the pipe, so the run ends the holder (CI, 2026-12-07: a tracker outlived a run in regenerate, its tree all gone)
+ESCAPES = textwrap.dedent("""
+    import subprocess, sys
+    from multiprocessing import resource_tracker
+    from flows.signals import _end_children
+    resource_tracker.ensure_running()
+    tracker = resource_tracker._resource_tracker
+    code = "import os, time; os.fork() and os._exit(0); print(os.getpid(), flush=True); time.sleep(600)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, pass_fds=[tracker._fd],
+                             stderr=subprocess.DEVNULL)
+    holder = int(child.stdout.readline())
+    child.wait()
+    _end_children(grace_s=2.0)
+    print(holder, tracker._pid, flush=True)
+""")
+
+
+def test_a_process_that_escaped_the_run_holding_the_resource_trackers_pipe_is_ended_and_the_tracker_ends():
+    out = subprocess.run([sys.executable, "-c", ESCAPES], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    holder, tracker = map(int, out.stdout.split()[-2:])
+    try:
+        end = time.monotonic() + 60  # the tracker ends once the pipe's last holder is gone; only that is waited for
+        while (_running(holder) or _running(tracker)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _running(holder), "the process holding the tracker's pipe outlived the run"
+        assert not _running(tracker), "the resource tracker outlived the run"
+    finally:
+        for pid in (holder, tracker):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
 # a run whose shard thread keeps printing progress while it is ended (its child ignores SIGTERM, so ending it takes
 # the whole grace): nothing the process writes comes after the one line
 ENDS = textwrap.dedent("""

@@ -232,14 +232,16 @@ def alive(pids: set[int]) -> set[int]:
 
 
 def described(pids: set[int]) -> str:
-    """Each of `pids` as `pid state (parent ppid): command line`, for a failure message that says what was left."""
+    """Each of `pids` as `pid state (parent ppid): command line`, for a failure message that says what was left; a
+    resource tracker with what holds its pipe open (it ends once they have all closed it)."""
+    from flows.signals import _cmdline, _pipe_holders, _tracker_fd
+
     out = []
     for pid in sorted(pids):
         fields = _stat(pid)
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        except OSError:
-            cmd = "?"
+        cmd = _cmdline(pid).replace(b"\0", b" ").decode(errors="replace")[:160] or "?"
+        if _tracker_fd(pid) is not None:
+            cmd += f" [its pipe held by: {described(set(_pipe_holders([pid]))) or 'none'}]"
         out.append(f"{pid} {fields[0] if fields else '?'} (parent {fields[1] if fields else '?'}): {cmd}")
     return "; ".join(out)
 
