@@ -73,6 +73,18 @@ def test_load_that_arrives_mid_run_is_noticed_at_the_next_probe():
     assert c.chosen == 1 and [ch for ch, _ in c.choices][:2] == [2, 1]
 
 
+def test_probes_take_a_bounded_share_of_a_loop_whose_steps_are_long():
+    # evaluate's steps are whole prompts: 13 s a prompt at one thread, and beside other work 2 threads spin (x10);
+    # a probe (3 steps at each count) then costs ~430 s, far over reprobe_s, and must not start again at once
+    m = FakeMachine({1: 1.3, 2: 13.0})
+    c = threads.ThreadChooser(cores=2, probe_steps=3, reprobe_s=60.0, clock=m.clock, set_threads=m.set_threads)
+    m.run(c, 700)
+    probe_s = 3 * 13.0 + 3 * 130.0  # one probe: 3 prompts at each count
+    assert c.chosen == 1 and len(c.choices) >= 2  # it still probes again, later
+    # every probe but the last was followed by its choice for at least (1 - share) / share of its own time
+    assert (len(c.choices) - 1) * probe_s <= threads.PROBE_SHARE * m.now, (len(c.choices), m.now)
+
+
 def test_ties_go_to_fewer_threads_and_one_core_never_probes():
     m = FakeMachine({1: 0.01, 2: 0.01})
     c = threads.ThreadChooser(cores=2, probe_steps=1, reprobe_s=1e9, clock=m.clock, set_threads=m.set_threads)

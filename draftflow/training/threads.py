@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 ENV = "DRAFTFLOW_TORCH_THREADS"
 PROBE_STEPS = 3  # timed steps per candidate; the median is kept (one step may meet a hiccup)
 REPROBE_S = 60.0  # seconds between probes: load that arrives mid-run is noticed within a minute or so
+# Probes take at most this share of a loop's time: one of evaluate's steps is a whole prompt (~13 s idle here, minutes
+# beside other work), and with a fixed interval the chooser probed again as soon as it had chosen, every other
+# prompt at the slow count (2026-12-07: 6 of 48 prompts decoded in 18 min beside CI's legs, 13 s a prompt idle)
+PROBE_SHARE = 0.1
 
 
 def usable_cores() -> int:
@@ -75,7 +79,8 @@ class ThreadChooser:
     Use `with chooser.step(units) as s:` around each step (`units`: its work, e.g. tokens, so steps of
     different sizes compare; a step that learns its size as it goes sets `s.units` before it ends).
     Probing steps run at each candidate in turn; then the fastest count per unit is kept until `reprobe_s`
-    seconds have passed. The very first step is never timed (allocations and caches warm up in it).
+    seconds have passed, or longer where the probe itself took long, so probes take at most `PROBE_SHARE` of the
+    loop's time. The very first step is never timed (allocations and caches warm up in it).
     """
 
     def __init__(self, cores: int | None = None, probe_steps: int = PROBE_STEPS, reprobe_s: float = REPROBE_S,
@@ -86,7 +91,8 @@ class ThreadChooser:
         self.chosen: int | None = None
         self.choices: list[tuple[int, dict[int, float]]] = []  # (chosen, seconds per unit of each candidate)
         self._samples: dict[int, list[float]] = {}
-        self._chosen_at = 0.0
+        self._chosen_at = self._probe_from = 0.0
+        self._interval = reprobe_s  # seconds the choice holds: reprobe_s, or longer after a long probe
         self._warm = False
 
     @property
@@ -105,6 +111,7 @@ class ThreadChooser:
         self.chosen = min(per_unit, key=lambda n: (per_unit[n], n))  # ties: fewer threads
         self.choices.append((self.chosen, per_unit))
         self._chosen_at, self._samples = self.clock(), {}
+        self._interval = max(self.reprobe_s, (self._chosen_at - self._probe_from) * (1 - PROBE_SHARE) / PROBE_SHARE)
         rates = ", ".join(f"{n}: {1 / s:.3g}/s" if s > 0 else f"{n}: -" for n, s in sorted(per_unit.items()))
         log.info("torch threads: %d (measured units per second by thread count: %s)", self.chosen, rates)
 
@@ -115,7 +122,7 @@ class ThreadChooser:
         if not self.enabled:
             yield work
             return
-        if self.chosen is not None and self.clock() - self._chosen_at >= self.reprobe_s:
+        if self.chosen is not None and self.clock() - self._chosen_at >= self._interval:
             self.chosen = None  # time for a fresh probe: the machine's load may have changed
         probe = self._probing() if self.chosen is None else None
         threads = probe if probe is not None else self.chosen
@@ -125,6 +132,8 @@ class ThreadChooser:
         if not self._warm:
             self._warm = True
             return
+        if probe is not None and not self._samples:
+            self._probe_from = start  # the probe's first timed step: its cost is counted from here
         if probe is not None:
             self._samples.setdefault(probe, []).append((self.clock() - start) / max(work.units, 1e-9))
             if self._probing() is None:
