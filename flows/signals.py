@@ -273,7 +273,8 @@ def _end_children(grace_s: float = 5.0) -> None:
         # tracker with it, its pipe kept open); and what holds a tracker's pipe from outside this tree (CI
         # 2026-12-07: a tracker outlived a run SIGTERMed in regenerate by over 3 min, everything below it gone)
         now = below(False)
-        left = sorted(set(to_end(now)) | set(_pipe_holders([pid for pid in now if pid not in to_end(now)])))
+        others = to_end(now)
+        left = sorted(set(others) | set(_pipe_holders([pid for pid in now if pid not in others])))
         if not left:
             break
 
