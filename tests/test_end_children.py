@@ -59,7 +59,6 @@ def test_a_grandchild_orphaned_by_its_parent_exiting_is_ended_too(when):
             os.kill(grandchild, signal.SIGKILL)
 
 
-
 # the run starts multiprocessing's resource tracker, then a process that holds the tracker's pipe and escapes the run's
 # tree (it forks and its parent exits; no subreaper catches it): the tracker ends only once every holder has closed
 # the pipe, so the run ends the holder (CI, 2026-12-07: a tracker outlived a run in regenerate, its tree all gone)
@@ -93,6 +92,7 @@ def test_a_process_that_escaped_the_run_holding_the_resource_trackers_pipe_is_en
         for pid in (holder, tracker):
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
 
 # a run whose shard thread keeps printing progress while it is ended (its child ignores SIGTERM, so ending it takes
 # the whole grace): nothing the process writes comes after the one line
