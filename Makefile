@@ -70,16 +70,17 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and not slow and not reliability"
 
 # The rest of `make test`: test-fast + test-slow + test-examples = test. test-examples applies docs/extending.md's
-# worked examples to a copy of the repository and runs its fast and whole slow tiers there (~29 min).
+# worked examples to a copy of the repository and runs its fast and whole slow tiers there (~29 min, one core).
 EXAMPLES := tests/test_worked_examples.py
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability" --durations=15 --ignore=$(EXAMPLES)
+# `make test-examples K=<pytest -k expression>` runs some of the module's tests, slow or not (.ci/run's lanes share
+# the copy's tiers so: `fast`, `stages`, `machinery`, and the CLI run, `cli`).
 test-examples: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m slow $(EXAMPLES)
-# What .ci/run runs of test-slow in this tree: the stages and their wiring. The slow tests marked `machinery`
-# (Prefect's server and workers, Ray clusters, torchrun, the benchmarks' scripts: tests/conftest.py) run once, in
-# test-examples' copy, whose code is this tree's plus the examples; the stages' tests run in both trees, here
-# with six stages and there with eight.
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(if $(K),-k "$(K)",-m slow) --durations=5 $(EXAMPLES)
+# The slow tests of the stages and their wiring, in this tree (test-slow without the slow tests marked `machinery`:
+# Prefect's server and workers, Ray clusters, torchrun, the benchmarks' scripts; tests/conftest.py). .ci/run runs
+# them, and the machinery's, once: in test-examples' copy, whose code is this tree's plus the examples.
 test-slow-stages: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not vllm and slow and not reliability and not machinery" --durations=15 \
 		--ignore=$(EXAMPLES)

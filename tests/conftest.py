@@ -83,9 +83,9 @@ SLOW = [
 SLOW_FIXTURES = {"prefect_harness", "ray_instance"}
 # Slow tests of the machinery around the stages (Prefect's server, deployments and workers, Ray clusters,
 # torchrun launches and nodes, gloo ranks, the benchmarks' scripts, the temporary server, the root's lease, a fresh
-# interpreter's imports), marked `machinery`: .ci/run runs them once, in the worked examples' copy (its code is this
-# tree's plus the examples), and the tests of the stages and their wiring in both trees (`make test-slow-stages`
-# here). `make test-slow` runs all of them here.
+# interpreter's imports), marked `machinery`: .ci/run runs them, and the slow tests of the stages and their wiring,
+# once each, in the worked examples' copy (its code is this tree's plus the examples; the two sets run in different
+# lanes). `make test-slow` runs all of them here, `make test-slow-stages` all but these.
 MACHINERY = [
     "tests/test_server.py::*",
     "tests/test_ray_cluster.py::*",
