@@ -151,3 +151,33 @@ def test_train_bytes_count_the_drafter_the_trainer_builds(target, dcfg):
     trainable = sum(p.numel() for p in DFlashDrafter(dcfg, target).parameters() if p.requires_grad)
     assert abs(drafter_params(dcfg.num_layers, ctx) - trainable) / trainable < 0.02
     assert KEPT_CHECKPOINTS == KEEP_CHECKPOINTS
+
+
+def test_preflight_loads_a_local_targets_tokenizer_and_config_once_per_content(tmp_path, tiny_target):
+    """The chat and layer checks load the target through transformers (~5 s of every run's start on 2 cores);
+    their answers are kept by the target's content, so a second run reads them, and an edited target (another
+    fingerprint) is checked afresh. A check that fails keeps nothing."""
+    from draftflow.store import default_cache_dir
+
+    kept = default_cache_dir() / "preflight"
+    before = set(kept.glob("*")) if kept.is_dir() else set()
+    good = tmp_path / "good"
+    shutil.copytree(tiny_target.path, good)
+    cfg = tiny_config(tmp_path / "run", f"target.path={good}")
+    preflight(cfg)
+    new = set(kept.glob("*")) - before
+    assert sorted(p.read_text() for p in new) == ["8", "ok"]  # the tiny target's 8 layers; its template passed
+    layers = next(p for p in new if p.read_text() == "8")
+    layers.write_text("2")  # what a second run finds is what it uses: 2 layers cannot hold the config's taps
+    with pytest.raises(DraftflowError, match="layer"):
+        preflight(cfg)
+    layers.write_text("8")
+    preflight(cfg)
+    assert set(kept.glob("*")) - before == new
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_target.path, bad)
+    (bad / "chat_template.jinja").write_text("{{ raise_exception('no chat here') }}")
+    with pytest.raises(DraftflowError, match="no chat here"):
+        preflight(tiny_config(tmp_path / "run", f"target.path={bad}"))
+    assert sorted(p.read_text() for p in set(kept.glob("*")) - before - new) == ["8"]  # its layers, not its chat

@@ -11,12 +11,15 @@ manifest, else estimated from its upstream and the config). It never loads weigh
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from draftflow.codehash import ROOT, closure, library_versions, source_hash
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.taps import check_drafter, feature_ids
@@ -35,7 +38,7 @@ from draftflow.stages.estimate import (
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.registry import maker, spec, stage_names
-from draftflow.store import Store
+from draftflow.store import Store, default_cache_dir, write_local_atomic
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
 log = logging.getLogger(__name__)
@@ -148,8 +151,35 @@ def check_vllm(cfg: RunConfig, target: TargetRef) -> None:
     check_head_size(target.path)
 
 
+def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
+    """`check()`'s answer, kept under the cache directory (`preflight/`) for a local target: the target's tokenizer
+    or config loaded through transformers takes ~5 s on 2 cores (5.4 s of an 18 s `draftflow run` whose stages
+    were all reused), so a machine pays it once. The key holds what the answer depends on: the target's content
+    fingerprint, `what` (the check and its settings), transformers' and tokenizers' versions, and the code of this
+    module and all it imports. A check that fails raises and keeps nothing; a hub id (fingerprinted by its name,
+    not its content) is checked every time."""
+    if not Path(target.path).is_dir():
+        return check()
+    code = source_hash(ROOT, closure(ROOT, __name__), extra_dirs=())
+    key = f"{target.fingerprint} {what} {library_versions(('transformers', 'tokenizers'))} {code}"
+    known = default_cache_dir() / "preflight" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        return known.read_text()
+    except OSError:
+        pass
+    answer = check()
+    known.parent.mkdir(parents=True, exist_ok=True)
+    write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
+    return answer
+
+
 def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
-    """The target must have a chat template, and `all_turns` needs a prefix-stable one."""
+    """The target must have a chat template, and `all_turns` needs a prefix-stable one (`_once`)."""
+    what = f"chat enable_thinking={cfg.regenerate.enable_thinking} policy={cfg.tokenize.policy}"
+    _once(target, what, lambda: _chat_problems(cfg, target))
+
+
+def _chat_problems(cfg: RunConfig, target: TargetRef) -> str:
     from draftflow.chat import ChatFormat
     from draftflow.errors import ConversationError
 
@@ -175,11 +205,15 @@ def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
         raise ConfigError(
             f"tokenize.policy=all_turns needs a prefix-stable chat template, but {target.path}'s rewrites "
             "earlier turns (e.g. drops their reasoning); use policy auto or per_turn")
+    return "ok"
 
 
 def _check_taps(cfg: RunConfig, target: TargetRef) -> None:
-    """The taps every stage will use, resolved and validated against the target once, here first."""
-    feature_ids(cfg.drafter, target_config(cfg, target).num_hidden_layers)
+    """The taps every stage will use, resolved and validated against the target once, here first (the target's
+    layer count: `_once`)."""
+    layers = _once(target, f"layers revision={cfg.target.revision}",
+                   lambda: str(target_config(cfg, target).num_hidden_layers))
+    feature_ids(cfg.drafter, int(layers))
 
 
 # ----------------------------------------------------------------------------- space
