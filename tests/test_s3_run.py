@@ -24,9 +24,9 @@ BUCKET = "draftflow-s3run"
 ROOT = f"s3://{BUCKET}/runs/tiny"
 STAGES = list(stage_names())  # the registry: the one list of stages
 # What a run with a remote root may keep on local disk (see docs/operations.md "Runs on S3"): the built target,
-# content-keyed copies of shards it read, train's work folder (checkpoints while training) and the
-# target folder's fingerprint, keyed by its files' sizes and mtimes.
-LOCAL_CACHES = {"store", "train-work", "fingerprints", "features"}  # features: byte ranges streamed by train
+# content-keyed copies of shards it read, train's work folder (checkpoints while training), the target folder's
+# fingerprint, keyed by its files' sizes and mtimes, and preflight's answers about it, keyed by its content.
+LOCAL_CACHES = {"store", "train-work", "fingerprints", "features", "preflight"}  # features: byte ranges train streamed
 
 
 class _Collect(logging.Handler):

@@ -156,8 +156,8 @@ def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
     or config loaded through transformers takes ~5 s on 2 cores (5.4 s of an 18 s `draftflow run` whose stages
     were all reused), so a machine pays it once. The key holds what the answer depends on: the target's content
     fingerprint, `what` (the check and its settings), transformers' and tokenizers' versions, and the code of this
-    module and all it imports. A check that fails raises and keeps nothing; a hub id (fingerprinted by its name,
-    not its content) is checked every time."""
+    module and all it imports. A check that fails raises and keeps nothing, and neither does a cache that cannot be
+    written; a hub id (fingerprinted by its name, not its content) is checked every time."""
     if not Path(target.path).is_dir():
         return check()
     code = source_hash(ROOT, closure(ROOT, __name__), extra_dirs=())
@@ -168,8 +168,11 @@ def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
     except OSError:
         pass
     answer = check()
-    known.parent.mkdir(parents=True, exist_ok=True)
-    write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
+    try:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
+    except (OSError, DraftflowError) as exc:  # a full or read-only cache costs the next run the check, no more
+        log.debug("preflight: %s not kept: %s", what, exc)
     return answer
 
 
