@@ -11,6 +11,7 @@ manifest, else estimated from its upstream and the config). It never loads weigh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -151,6 +152,14 @@ def check_vllm(cfg: RunConfig, target: TargetRef) -> None:
     check_head_size(target.path)
 
 
+@functools.cache
+def _checking_code() -> str:
+    """What `_once`'s answers depend on beside the target: transformers' and tokenizers' versions and the code of
+    this module and all it imports (read once per process, not once per check)."""
+    code = source_hash(ROOT, closure(ROOT, __name__), extra_dirs=())
+    return f"{library_versions(('transformers', 'tokenizers'))} {code}"
+
+
 def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
     """`check()`'s answer, kept under the cache directory (`preflight/`) for a local target: the target's tokenizer
     or config loaded through transformers takes ~5 s on 2 cores (5.4 s of an 18 s `draftflow run` whose stages
@@ -160,8 +169,7 @@ def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
     written; a hub id (fingerprinted by its name, not its content) is checked every time."""
     if not Path(target.path).is_dir():
         return check()
-    code = source_hash(ROOT, closure(ROOT, __name__), extra_dirs=())
-    key = f"{target.fingerprint} {what} {library_versions(('transformers', 'tokenizers'))} {code}"
+    key = f"{target.fingerprint} {what} {_checking_code()}"
     known = default_cache_dir() / "preflight" / hashlib.sha256(key.encode()).hexdigest()[:32]
     try:
         return known.read_text()
@@ -179,10 +187,10 @@ def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
 def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
     """The target must have a chat template, and `all_turns` needs a prefix-stable one (`_once`)."""
     what = f"chat enable_thinking={cfg.regenerate.enable_thinking} policy={cfg.tokenize.policy}"
-    _once(target, what, lambda: _chat_problems(cfg, target))
+    _once(target, what, lambda: _chat_check(cfg, target))
 
 
-def _chat_problems(cfg: RunConfig, target: TargetRef) -> str:
+def _chat_check(cfg: RunConfig, target: TargetRef) -> str:
     from draftflow.chat import ChatFormat
     from draftflow.errors import ConversationError
 
