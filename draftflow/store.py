@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -77,6 +77,25 @@ def write_local_atomic(path: str | Path, write) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
+
+
+def kept_answer(folder: str, key: str, compute: Callable[[], str]) -> str:
+    """`compute()`'s answer for `key`, kept in the local cache directory (`<folder>/<sha256(key)[:32]>`) so that a
+    machine computes it once: a target's content fingerprint, preflight's checks. `key` must hold everything the
+    answer depends on. A computation that raises keeps nothing; a cache that cannot be read or written costs the
+    next call the computation, no more."""
+    known = default_cache_dir() / folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+    try:
+        return known.read_text()
+    except OSError:
+        pass
+    answer = compute()
+    try:
+        known.parent.mkdir(parents=True, exist_ok=True)
+        write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
+    except (OSError, StoreError) as exc:
+        log.debug("%s not kept in %s: %s", folder, known, exc)
+    return answer
 
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends (safetensors)

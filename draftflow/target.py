@@ -33,7 +33,7 @@ from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
 from draftflow.gguf_target import convert_gguf, gguf_source
-from draftflow.store import default_cache_dir, shared_mode, write_local_atomic
+from draftflow.store import default_cache_dir, kept_answer, shared_mode
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +76,7 @@ def folder_fingerprint(path: Path) -> str:
     source keys, an in-place rewrite that keeps every size and mtime is not seen.
     """
     stat = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(path.rglob("*")) if f.is_file())
-    key = hashlib.sha256(repr((str(path.resolve()), stat)).encode()).hexdigest()[:32]
-    known = default_cache_dir() / "fingerprints" / key
-    if known.is_file():
-        return known.read_text().strip()
-    fp = _content_hash(path, stat)
-    known.parent.mkdir(parents=True, exist_ok=True)
-    write_local_atomic(known, lambda tmp: Path(tmp).write_text(fp))
-    return fp
+    return kept_answer("fingerprints", repr((str(path.resolve()), stat)), lambda: _content_hash(path, stat)).strip()
 
 
 @functools.lru_cache(maxsize=8)

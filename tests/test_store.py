@@ -4,7 +4,7 @@ import os
 import pytest
 
 from draftflow.contracts import Manifest, ShardEntry
-from draftflow.store import Store, shard_entry, stage_fingerprint
+from draftflow.store import Store, kept_answer, shard_entry, stage_fingerprint
 
 
 def test_writing_commits_atomically_and_cleans_up_on_error(tmp_path):
@@ -89,3 +89,31 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_kept_answer_is_computed_once_per_key_and_a_failure_or_an_unwritable_cache_keeps_nothing(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "cache"))
+    calls = []
+
+    def compute(answer="42"):
+        calls.append(answer)
+        return answer
+
+    assert kept_answer("answers", "the key", compute) == "42"
+    assert kept_answer("answers", "the key", lambda: compute("other")) == "42"  # kept: not computed again
+    assert calls == ["42"] and len(list((tmp_path / "cache" / "answers").iterdir())) == 1
+    assert kept_answer("answers", "another key", lambda: compute("7")) == "7"
+
+    def fail():
+        raise ValueError("the check failed")
+
+    with pytest.raises(ValueError, match="the check failed"):
+        kept_answer("answers", "a failing key", fail)
+    assert len(list((tmp_path / "cache" / "answers").iterdir())) == 2  # nothing kept for it, no temporary file
+
+    (tmp_path / "file").write_text("not a folder")  # a cache that cannot be written: computed every time
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "file" / "cache"))
+    assert kept_answer("answers", "the key", lambda: compute("9")) == "9"
+    assert kept_answer("answers", "the key", lambda: compute("9")) == "9"
+    assert calls == ["42", "7", "9", "9"]

@@ -12,7 +12,6 @@ manifest, else estimated from its upstream and the config). It never loads weigh
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -39,7 +38,7 @@ from draftflow.stages.estimate import (
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.registry import maker, spec, stage_names
-from draftflow.store import Store, default_cache_dir, write_local_atomic
+from draftflow.store import Store, kept_answer
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
 log = logging.getLogger(__name__)
@@ -169,19 +168,7 @@ def _once(target: TargetRef, what: str, check: Callable[[], str]) -> str:
     written; a hub id (fingerprinted by its name, not its content) is checked every time."""
     if not Path(target.path).is_dir():
         return check()
-    key = f"{target.fingerprint} {what} {_checking_code()}"
-    known = default_cache_dir() / "preflight" / hashlib.sha256(key.encode()).hexdigest()[:32]
-    try:
-        return known.read_text()
-    except OSError:
-        pass
-    answer = check()
-    try:
-        known.parent.mkdir(parents=True, exist_ok=True)
-        write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
-    except (OSError, DraftflowError) as exc:  # a full or read-only cache costs the next run the check, no more
-        log.debug("preflight: %s not kept: %s", what, exc)
-    return answer
+    return kept_answer("preflight", f"{target.fingerprint} {what} {_checking_code()}", check)
 
 
 def _check_chat(cfg: RunConfig, target: TargetRef) -> None:
