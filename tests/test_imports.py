@@ -12,6 +12,8 @@ otherwise count as a circle with each of them.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,3 +214,13 @@ def test_the_gate_is_handed_its_evaluation_and_never_reloads_a_config():
     reached = _closure(import_graph(), "draftflow.runs.gating")
     runs = {m for m in reached if m.startswith("draftflow.runs.")}
     assert runs == {"draftflow.runs.gating", "draftflow.runs.evalruns"}, sorted(runs)  # was 4: + runinfo, runstate
+
+
+def test_a_runs_start_imports_neither_transformers_nor_torchs_distributed_checkpoint():
+    """`draftflow run` imports the pipeline's flows; what a run whose stages are all reused never uses is imported
+    when first used (transformers ~1.5 s, torch.distributed.checkpoint ~1.7 s of a start on 2 cores)."""
+    lazy = ("transformers", "torch.distributed.checkpoint.state_dict")
+    probe = f"import sys, flows.pipeline; print([m for m in {lazy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
