@@ -33,7 +33,7 @@ from pathlib import Path
 from draftflow.compat import quiet_gguf_conversion, quiet_progress
 from draftflow.config import TargetConfig
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir, shared_mode, write_local_atomic
+from draftflow.store import default_cache_dir, kept_answer, shared_mode
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +110,16 @@ def file_sha256(file: Path, cache_dir: Path | None = None) -> str:
     is not re-read on every run; an in-place rewrite keeping size and mtime is not seen.
     """
     st = file.stat()
-    key = hashlib.sha256(repr(("gguf", str(file.resolve()), st.st_size, st.st_mtime_ns)).encode())
-    known = Path(cache_dir or default_cache_dir()) / "fingerprints" / key.hexdigest()[:32]
-    if known.is_file():
-        return known.read_text().strip()
-    h = hashlib.sha256()
-    with open(file, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    known.parent.mkdir(parents=True, exist_ok=True)
-    write_local_atomic(known, lambda tmp: Path(tmp).write_text(h.hexdigest()))
-    return h.hexdigest()
+
+    def digest() -> str:
+        h = hashlib.sha256()
+        with open(file, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()
+
+    key = repr(("gguf", str(file.resolve()), st.st_size, st.st_mtime_ns))
+    return kept_answer("fingerprints", key, digest, cache_dir).strip()
 
 
 def convert_gguf(file: Path, dtype: str = "auto", cache_dir: Path | None = None,

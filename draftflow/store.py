@@ -79,12 +79,12 @@ def write_local_atomic(path: str | Path, write) -> None:
     os.replace(tmp, path)
 
 
-def kept_answer(folder: str, key: str, compute: Callable[[], str]) -> str:
-    """`compute()`'s answer for `key`, kept in the local cache directory (`<folder>/<sha256(key)[:32]>`) so that a
-    machine computes it once: a target's content fingerprint, preflight's checks. `key` must hold everything the
-    answer depends on. A computation that raises keeps nothing; a cache that cannot be read or written costs the
-    next call the computation, no more."""
-    known = default_cache_dir() / folder / hashlib.sha256(key.encode()).hexdigest()[:32]
+def kept_answer(folder: str, key: str, compute: Callable[[], str], cache_dir: Path | None = None) -> str:
+    """`compute()`'s answer for `key`, kept in the local cache directory (`<folder>/<sha256(key)[:32]>`; `cache_dir`,
+    default `default_cache_dir()`) so that a machine computes it once: a target's or GGUF file's content
+    fingerprint, preflight's checks. `key` must hold everything the answer depends on. A computation that raises
+    keeps nothing; a cache that cannot be read or written costs the next call the computation, no more."""
+    known = Path(cache_dir or default_cache_dir()) / folder / hashlib.sha256(key.encode()).hexdigest()[:32]
     try:
         return known.read_text()
     except OSError:
