@@ -23,12 +23,15 @@ from draftflow.stages.extract import bad_shards, drop_manifest_if_damaged, onlin
 from draftflow.stages.registry import device_tags, spec, stage_inputs
 from draftflow.target import TargetRef
 from draftflow.training.metrics import metrics_table
+from flows import heartbeats
 from flows.common import map_shards, publish_table, reuse, run_stage
 from flows.keys import run_key
 from flows.progress import install
 from flows.runners import StageTaskRunner
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
+
+heartbeats.install()  # a stage subflow's end does not wait on its heartbeat thread (up to 1 s a stage)
 
 
 def target_ref(target: dict) -> TargetRef:

@@ -94,6 +94,7 @@ MACHINERY = [
     "tests/test_distributed.py::*",
     "tests/test_benchmarks.py::*",
     "tests/test_tempserver.py::*",
+    "tests/test_heartbeats.py::test_subflows_*",
     "tests/test_runlock.py::*",
     "tests/test_layering.py::*",
 ]
