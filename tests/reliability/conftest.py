@@ -28,3 +28,10 @@ def uninterrupted(env, tmp_path_factory):
     want = manifests(root), sha256_tree(root)
     shutil.move(root, tmp / "uninterrupted")
     return root, want
+
+
+@pytest.fixture(scope="session")
+def finished_run(uninterrupted):
+    """The uninterrupted run's root, complete (`procs.seeded_before_train` copies its stages before train)."""
+    root, _ = uninterrupted
+    return root.parent / "uninterrupted"

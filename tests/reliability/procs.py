@@ -249,6 +249,17 @@ def described(pids: set[int]) -> str:
 LONG_TRAINING = "train.max_steps=200"  # long enough that a fault lands while training
 
 
+def seeded_before_train(root: Path, finished: Path) -> Path:
+    """`root` holding copies of `finished`'s stages before train (a finished run of the same config, its code a
+    snapshot of the same tree: the same fingerprints), so that a test about training starts where a user's re-run
+    would, those stages reused rather than computed again (~45 s idle of each such test's first run)."""
+    from draftflow.stages.registry import needed
+
+    for stage in needed("train")[:-1]:
+        shutil.copytree(finished / stage, root / stage)
+    return root
+
+
 def start_and_wait_for_training(env, root: Path, log: Path, steps: str = LONG_TRAINING
                                 ) -> tuple[subprocess.Popen, set[int]]:
     """Start a run of `steps` training steps; return it (and what it has started) once its 2nd training

@@ -23,6 +23,7 @@ from tests.reliability.procs import (
     finish,
     run_to_end,
     run_until_line,
+    seeded_before_train,
     start_and_wait_for,
     start_and_wait_for_training,
     temporary_server_env,
@@ -36,16 +37,17 @@ LOCK = ".draftflow-lock.json"
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """The CLI with its own temporary Prefect server (the case that used to outlive the run)."""
+def temp_env(tmp_path_factory):
+    """The CLI with its own temporary Prefect server (the case that used to outlive the run). Not named `env`: the
+    suite's finished run (`finished_run`, session-wide) is made with that one, the shared server's."""
     return temporary_server_env(tmp_path_factory)
 
 
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
                          ids=["sigterm", "ctrl-c to the process group"])
-def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, env, tmp_path):
-    root, log = tmp_path / "run", tmp_path / "run.log"
-    proc, started = start_and_wait_for_training(env, root, log)
+def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, temp_env, finished_run, tmp_path):
+    root, log = seeded_before_train(tmp_path / "run", finished_run), tmp_path / "run.log"
+    proc, started = start_and_wait_for_training(temp_env, root, log)
     assert started, "the run started no process (its temporary Prefect server at least)"
     (os.killpg if to_group else os.kill)(proc.pid, sig)
     rc, took = finish(proc, STOP_S)
@@ -60,14 +62,14 @@ def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_gr
     assert any(root.glob(f"train/*/work/checkpoints/step_{step:08d}"))  # the step it stopped at is kept
     # The re-run resumes from that step (that a resumed run equals an uninterrupted one is
     # tests/test_train.py's and test_kill_points.py's to show).
-    run_to_end(env, str(root), tmp_path / "rerun.log", STEPS)
+    run_to_end(temp_env, str(root), tmp_path / "rerun.log", STEPS)
     first = next(line for line in (tmp_path / "rerun.log").read_text().splitlines()
                  if line.startswith("progress: train "))
     assert first.startswith(f"progress: train {step + 1}/200 steps"), first  # its first step is the next one
     print(f"{signal.Signals(sig).name}: exited {took:.1f} s after the signal, at train step {step}")
 
 
-def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(env, tmp_path):
+def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(temp_env, tmp_path):
     """Regenerate used to keep generating until the stage ended (19 s idle for the tiny run, ~60 s busy; hours on a
     real target, where Kubernetes sends SIGKILL after 30 s). It stops between two batches now: the run ends in one
     line naming the shard and what was saved, and the re-run resumes from the saved chunks."""
@@ -76,7 +78,7 @@ def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(e
     # re-run 5 min idle, and outlasted run_to_end's 300 s under load on CI, 2026-12-07).
     longer = ("regenerate.max_new_tokens=96", "regenerate.batch_size=2",
               *(f"curate.sources.{i}.count=32" for i in range(4)))
-    proc, started = start_and_wait_for(env, root, log, lambda: any(root.glob("regenerate/*/partial/*")),
+    proc, started = start_and_wait_for(temp_env, root, log, lambda: any(root.glob("regenerate/*/partial/*")),
                                        "regenerate saved a chunk", *longer)
     os.kill(proc.pid, signal.SIGTERM)
     rc, took = finish(proc, STOP_S)
@@ -92,16 +94,16 @@ def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(e
     assert " ERROR " not in out and "Failed(" not in out, out[-3000:]  # the one line, not a failed task's each
     # The re-run completes regenerate (that a resumed regenerate equals an uninterrupted one, from the saved chunks,
     # is test_regenerate_resume's to show); the stages after it prove nothing more here.
-    rerun = run_until_line(env, str(root), tmp_path / "rerun.log", "progress: train ", *longer)
+    rerun = run_until_line(temp_env, str(root), tmp_path / "rerun.log", "progress: train ", *longer)
     assert "Traceback" not in rerun and any(root.glob("regenerate/*/manifest.json")), rerun[-3000:]
     print(f"SIGTERM in regenerate: exited {took:.1f} s after the signal ({last})")
 
 
-def test_sigkill_of_the_run_leaves_no_process(env, tmp_path):
+def test_sigkill_of_the_run_leaves_no_process(temp_env, finished_run, tmp_path):
     """The temporary server and every child die with a SIGKILLed (or OOM-killed) run; the lease is then
     stale (its holder is gone) and the next run on this host takes it at once."""
-    root, log = tmp_path / "run", tmp_path / "run.log"
-    proc, started = start_and_wait_for_training(env, root, log)
+    root, log = seeded_before_train(tmp_path / "run", finished_run), tmp_path / "run.log"
+    proc, started = start_and_wait_for_training(temp_env, root, log)
     os.kill(proc.pid, signal.SIGKILL)  # the leader only, as the OOM killer does
     proc.wait()
     proc.log_handle.close()
@@ -119,7 +121,7 @@ HELD_IN = [("curate", "call:draftflow.stages.curate:merge:1"),
            ("evaluate", "call:draftflow.stages.evaluate:load_drafter:1")]
 
 
-def test_sigterm_in_curate_tokenize_extract_and_evaluate_stops_the_run_in_one_line(env, tmp_path):
+def test_sigterm_in_curate_tokenize_extract_and_evaluate_stops_the_run_in_one_line(temp_env, tmp_path):
     """One root, the stages in order: each re-run takes the stages before from the cache and is stopped inside the
     next. (Train and regenerate: the tests above, which also resume.)"""
     root = tmp_path / "run"
@@ -127,7 +129,7 @@ def test_sigterm_in_curate_tokenize_extract_and_evaluate_stops_the_run_in_one_li
         log, marker = tmp_path / f"{stage}.log", tmp_path / f"{stage}.held"
         cmd = [sys.executable, "-m", "tests.reliability.killable", point, str(marker), "--", *cli_args(str(root))]
         fh = open(log, "w")  # noqa: SIM115 - closed by finish()
-        proc = subprocess.Popen(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=code_dir(temp_env), env=temp_env, stdout=fh, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         proc.log_handle = fh
         end = time.monotonic() + 600
