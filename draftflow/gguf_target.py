@@ -16,7 +16,6 @@ dequantize are accepted.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -33,7 +32,7 @@ from pathlib import Path
 from draftflow.compat import quiet_gguf_conversion, quiet_progress
 from draftflow.config import TargetConfig
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir, kept_answer, shared_mode
+from draftflow.store import default_cache_dir, kept_answer, sha256_file, shared_mode
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +109,8 @@ def file_sha256(file: Path, cache_dir: Path | None = None) -> str:
     is not re-read on every run; an in-place rewrite keeping size and mtime is not seen.
     """
     st = file.stat()
-
-    def digest() -> str:
-        h = hashlib.sha256()
-        with open(file, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        return h.hexdigest()
-
     key = repr(("gguf", str(file.resolve()), st.st_size, st.st_mtime_ns))
-    return kept_answer("fingerprints", key, digest, cache_dir).strip()
+    return kept_answer("fingerprints", key, lambda: sha256_file(file), cache_dir).strip()
 
 
 def convert_gguf(file: Path, dtype: str = "auto", cache_dir: Path | None = None,
