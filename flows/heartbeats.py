@@ -7,8 +7,8 @@ joins that thread when the run ends, so each flow run's end waits for the thread
 stages are all reused spent ~5 of its ~20 s there (cProfile of `draftflow run`, 2026-12-07), and every run that
 resumes pays it once per stage it reuses. Prefect's asynchronous engine already leaves the thread unjoined.
 
-What it does: `install()` (run when `flows` is imported, so by every process that runs draftflow's flows, a
-worker's flow-run processes included) wraps Prefect's heartbeat context so that a subflow's run (one with a
+What it does: `install()` (run when `flows.stages` is imported, so by every process that runs draftflow's stage
+flows, a worker's flow-run processes included) wraps Prefect's heartbeat context so that a subflow's run (one with a
 parent task run) does not join its thread; the outermost flow run still does, so no heartbeat thread outlives the
 process's last flow run by more than a second. The thread is a daemon that checks its stop event before each
 beat and each second, so it ends within a second of its run without beating again: heartbeats, and the
