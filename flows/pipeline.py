@@ -27,12 +27,14 @@ from flows.deploy import gpu_slot
 from flows.keys import artifact_key, run_key
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
+from flows.schemas import no_parameter_schema
 from flows.signals import note_run, on_crashed
 from flows.stages import curate_flow, evaluate_flow, extract_flow, sharded_stage_flow, train_flow
 from tasks.stage_tasks import prepare_target
 
 
 @flow(name="draftflow-pipeline", task_runner=ThreadPoolTaskRunner(max_workers=2), on_crashed=[on_crashed])
+@no_parameter_schema
 def pipeline(cfg: RunConfig) -> dict:
     """Run (or reuse) every stage, holding the run root's lease; return the stage results and the final figures."""
     note_run()  # interrupted from the CLI: shown Cancelled, with its line (`flows.signals`)
@@ -124,6 +126,7 @@ def _read_text(url: str) -> str:
 
 
 @flow(name="draftflow-pipeline-from-file", on_crashed=[on_crashed])
+@no_parameter_schema
 def pipeline_from_file(config_path: str, overrides: list[str] | None = None) -> dict:
     """Deployment entry point: load the config on the worker, then run the pipeline."""
     from draftflow.config import load_config
@@ -186,6 +189,7 @@ def reused_upstream(cfg: RunConfig, target: dict, stage: str) -> dict[str, Stage
 
 
 @flow(name="draftflow-stage", task_runner=ThreadPoolTaskRunner(max_workers=2), on_crashed=[on_crashed])
+@no_parameter_schema
 def stage_from_file(config_path: str, stage: str, overrides: list[str] | None = None,
                     upstream: str = "reuse") -> StageResult:
     """Deployment entry point for one stage.

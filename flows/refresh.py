@@ -39,6 +39,7 @@ from flows.keys import artifact_key, run_key
 from flows.pipeline import log_stage, publish_summary, run_stage_flow, summarize
 from flows.progress import flush as flush_progress
 from flows.progress import install as report_progress
+from flows.schemas import no_parameter_schema
 from flows.signals import note_run, on_crashed
 from tasks.stage_tasks import prepare_target
 
@@ -73,6 +74,7 @@ def _gated(cfg: RunConfig, run_cfg: RunConfig, live_eval: str | None) -> RunConf
 
 
 @flow(name="draftflow-refresh", task_runner=ThreadPoolTaskRunner(max_workers=2), on_crashed=[on_crashed])
+@no_parameter_schema
 def refresh(cfg: RunConfig) -> dict:
     """One refresh of `cfg.root` on the traffic under `cfg.refresh.traffic`; returns what it decided."""
     log, store = get_run_logger(), Store(cfg.root)
@@ -160,6 +162,7 @@ def _record(cfg: RunConfig, store: Store, batch: Batch, summary: dict | None, li
 
 
 @flow(name="draftflow-refresh-from-file", on_crashed=[on_crashed])
+@no_parameter_schema
 def refresh_from_file(config_path: str, overrides: list[str] | None = None, traffic: str | None = None) -> dict:
     """Deployment entry point: load the config on the worker (`traffic` overrides refresh.traffic), then refresh."""
     from draftflow.config import load_config

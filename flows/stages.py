@@ -28,6 +28,7 @@ from flows.common import map_shards, publish_table, reuse, run_stage
 from flows.keys import run_key
 from flows.progress import install
 from flows.runners import StageTaskRunner
+from flows.schemas import no_parameter_schema
 from tasks import curate_tasks as CT
 from tasks import stage_tasks as T
 
@@ -45,6 +46,7 @@ def _inputs(cfg: RunConfig, stage: str, target: dict, *upstream: StageResult) ->
 
 
 @flow(name="curate", task_runner=StageTaskRunner("curate", max_workers=os.cpu_count() or 2))
+@no_parameter_schema
 def curate_flow(cfg: RunConfig) -> StageResult:
     """Scan every source part in parallel, then one merge (dedup, mixture, split, shards)."""
     check_sources(cfg.curate)  # fails here, before any work, on an unreachable source
@@ -70,6 +72,7 @@ def sharded_stage_flow(stage: str):
     """The flow of a registry stage with one task per input shard (`StageSpec.run_shard`): the
     spec's check, its shard tasks over the upstream's shards, the spec's finish, the manifest."""
     @flow(name=stage, task_runner=StageTaskRunner(stage))
+    @no_parameter_schema
     def stage_flow(cfg: RunConfig, target: dict, upstream: StageResult) -> StageResult:
         s = spec(stage)  # read at run time: a test may put a stage in front of this one
         inputs = _inputs(cfg, stage, target, upstream)
@@ -88,6 +91,7 @@ def sharded_stage_flow(stage: str):
 
 
 @flow(name="extract", task_runner=StageTaskRunner("extract"))
+@no_parameter_schema
 def extract_flow(cfg: RunConfig, target: dict, tokenized: StageResult) -> StageResult:
     """Feature shards are checked by size before the stage is reused (hashing terabytes every run
     would cost a full read; train hashes what it reads) and by sha256 when taken from the task
@@ -126,6 +130,7 @@ def every_core():
 
 
 @flow(name="train")
+@no_parameter_schema
 def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResult:
     inputs = _inputs(cfg, "train", target, features)
     install(run_key(cfg))  # progress and the held-out document reach the UI from a train flow run on its own too
@@ -146,6 +151,7 @@ def train_flow(cfg: RunConfig, target: dict, features: StageResult) -> StageResu
 
 
 @flow(name="evaluate")
+@no_parameter_schema
 def evaluate_flow(cfg: RunConfig, target: dict, curated: StageResult, trained: StageResult) -> StageResult:
     inputs = _inputs(cfg, "evaluate", target, curated, trained)
 

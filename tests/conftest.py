@@ -95,6 +95,7 @@ MACHINERY = [
     "tests/test_benchmarks.py::*",
     "tests/test_tempserver.py::*",
     "tests/test_heartbeats.py::test_subflows_*",
+    "tests/test_flow_schemas.py::test_a_marked_flow_run_*",
     "tests/test_runlock.py::*",
     "tests/test_layering.py::*",
 ]
