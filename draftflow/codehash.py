@@ -65,12 +65,25 @@ def _imported(root: Path, path: Path) -> frozenset[str]:
     return _imported_version(root, path, st.st_mtime_ns, st.st_size)
 
 
-@functools.cache  # stages share most of their modules: each version of a file is parsed once per process
+@functools.cache  # stages share most of their modules: each version of a file is read once per process
 def _imported_version(root: Path, path: Path, mtime_ns: int, size: int) -> frozenset[str]:
+    """Parsing is most of a closure's cost (~1 s of a process's ~1.4 s for the six stages and preflight): the answer
+    is kept on disk under the module's name and its bytes' sha256 (`store.kept_answer`), so a machine parses each
+    version of a file once. The bytes, not the mtime, are the key: a stale answer cannot outlive an edit."""
+    from draftflow.store import kept_answer
+
+    source = path.read_bytes()
     this = _module_name(root, path)
+    key = f"imports-v1 {this} {hashlib.sha256(source).hexdigest()}"
+    kept = kept_answer("code-imports", key, lambda: "\n".join(sorted(_parsed_imports(this, path, source))))
+    return frozenset(kept.split("\n")) - {""}
+
+
+def _parsed_imports(this: str, path: Path, source: bytes) -> set[str]:
+    """Dotted names of every module of the package (`this`'s first part) that `source` imports, anywhere in it."""
     package = this if path.name == "__init__.py" else this.rpartition(".")[0]
     names: set[str] = set()
-    for node in _statements(ast.parse(path.read_text(), filename=str(path)).body):
+    for node in _statements(ast.parse(source, filename=str(path)).body):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -81,7 +94,7 @@ def _imported_version(root: Path, path: Path, mtime_ns: int, size: int) -> froze
                 base = node.module or ""
             names.add(base)
             names.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import submodule`
-    return frozenset(n for n in names if n.split(".")[0] == root.name)
+    return {n for n in names if n.split(".")[0] == this.split(".")[0]}
 
 
 def _statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
@@ -96,17 +109,23 @@ def _statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
 def closure(root: Path, module: str) -> list[Path]:
     """Source files of `module` and everything it imports from the package, with parent `__init__`s."""
     seen: set[Path] = set()
-    todo = [module]
+    todo, named, found = [module], set(), {}
     while todo:
         name = todo.pop()
+        if name in named:  # most names are imported by many files: each is looked up once
+            continue
+        named.add(name)
         parts = name.split(".")
         # Importing a.b.c runs a/__init__ and a/b/__init__ first.
         for i in range(1, len(parts) + 1):
-            f = module_file(root, ".".join(parts[:i]))
+            prefix = ".".join(parts[:i])
+            if prefix not in found:  # looked up once a closure (a file's presence can change between closures)
+                found[prefix] = module_file(root, prefix)
+            f = found[prefix]
             if f is not None and f not in seen:
                 seen.add(f)
                 todo.extend(_imported(root, f))
-                todo.extend(_computed(root, ".".join(parts[:i])))
+                todo.extend(_computed(root, prefix))
     return sorted(seen)
 
 

@@ -44,6 +44,37 @@ def test_closure_follows_absolute_relative_and_function_level_imports(tmp_path):
         "models/__init__.py", "models/net.py"}
 
 
+def test_a_files_imports_are_parsed_once_a_machine_and_follow_its_bytes_not_its_mtime(tmp_path, monkeypatch):
+    """The parse is kept on disk under the file's bytes: a later process reads it, and an edit that keeps the size
+    and the mtime (a copy that preserved them, a clock step) still changes what the closure finds."""
+    import os
+
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "cache"))
+    root = _pkg(tmp_path)
+    codehash._imported_version.cache_clear()  # as a new process starts
+    assert "models/net.py" in _names(root, "draftflow.stages.train")
+    assert len(list((tmp_path / "cache" / "code-imports").iterdir())) == 7  # one per module file reached
+
+    def no_parse(*args, **kwargs):
+        raise AssertionError("parsed again")
+
+    codehash._imported_version.cache_clear()
+    monkeypatch.setattr(codehash.ast, "parse", no_parse)
+    assert "models/net.py" in _names(root, "draftflow.stages.train")  # every answer from the disk
+    monkeypatch.undo()
+    monkeypatch.setenv("DRAFTFLOW_CACHE", str(tmp_path / "cache"))
+
+    train = root / "stages/train.py"
+    st = train.stat()
+    edited = train.read_text().replace("draftflow.models.net import N", "draftflow.data import schema ")
+    assert len(edited) == st.st_size
+    train.write_text(edited)
+    os.utime(train, ns=(st.st_atime_ns, st.st_mtime_ns))
+    codehash._imported_version.cache_clear()
+    assert "models/net.py" not in _names(root, "draftflow.stages.train")
+    assert "data/schema.py" in _names(root, "draftflow.stages.train")
+
+
 def _hash(root: Path, module: str) -> str:
     return source_hash(root, closure(root, module))
 
