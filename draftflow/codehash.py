@@ -29,6 +29,8 @@ import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 
+from draftflow.kept import kept_answer
+
 PACKAGE = "draftflow"
 ROOT = Path(__file__).parent
 # Modules that import others by a computed name -> the files they may import: patterns in which {kind} is
@@ -68,10 +70,8 @@ def _imported(root: Path, path: Path) -> frozenset[str]:
 @functools.cache  # stages share most of their modules: each version of a file is read once per process
 def _imported_version(root: Path, path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     """Parsing is most of a closure's cost (~1 s of a process's ~1.4 s for the six stages and preflight): the answer
-    is kept on disk under the module's name and its bytes' sha256 (`store.kept_answer`), so a machine parses each
+    is kept on disk under the module's name and its bytes' sha256 (`kept.kept_answer`), so a machine parses each
     version of a file once. The bytes, not the mtime, are the key: a stale answer cannot outlive an edit."""
-    from draftflow.store import kept_answer
-
     source = path.read_bytes()
     this = _module_name(root, path)
     key = f"imports-v1 {this} {hashlib.sha256(source).hexdigest()}"

@@ -32,7 +32,8 @@ from pathlib import Path
 from draftflow.contracts import ShardEntry
 from draftflow.errors import StoreError
 from draftflow.features import FeatureSample, FeatureShard
-from draftflow.store import Store, default_cache_dir
+from draftflow.kept import default_cache_dir
+from draftflow.store import Store
 
 CACHE_ENV = "DRAFTFLOW_FEATURE_CACHE_GB"
 DEFAULT_CACHE_GB = 16.0

@@ -32,7 +32,8 @@ from pathlib import Path
 from draftflow.compat import quiet_gguf_conversion, quiet_progress
 from draftflow.config import TargetConfig
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir, kept_answer, sha256_file, shared_mode
+from draftflow.kept import default_cache_dir, kept_answer
+from draftflow.store import sha256_file, shared_mode
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from fsspec.implementations.local import LocalFileSystem
 from draftflow import __version__
 from draftflow.contracts import Manifest, ShardEntry, check_manifest
 from draftflow.errors import StoreError
+from draftflow.kept import default_cache_dir
 
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -45,11 +46,6 @@ def sha256_file(path: str | Path, fs=None) -> str:
         for chunk in iter(lambda: fh.read(8 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def default_cache_dir() -> Path:
-    """Local cache for built targets, downloaded shards and remote work folders."""
-    return Path(os.environ.get("DRAFTFLOW_CACHE", Path.home() / ".cache" / "draftflow"))
 
 
 def _read_umask() -> int:
@@ -77,25 +73,6 @@ def write_local_atomic(path: str | Path, write) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-
-
-def kept_answer(folder: str, key: str, compute: Callable[[], str], cache_dir: Path | None = None) -> str:
-    """`compute()`'s answer for `key`, kept in the local cache directory (`<folder>/<sha256(key)[:32]>`; `cache_dir`,
-    default `default_cache_dir()`) so that a machine computes it once: a target's or GGUF file's content
-    fingerprint, preflight's checks. `key` must hold everything the answer depends on. A computation that raises
-    keeps nothing; a cache that cannot be read or written costs the next call the computation, no more."""
-    known = Path(cache_dir or default_cache_dir()) / folder / hashlib.sha256(key.encode()).hexdigest()[:32]
-    try:
-        return known.read_text()
-    except OSError:
-        pass
-    answer = compute()
-    try:
-        known.parent.mkdir(parents=True, exist_ok=True)
-        write_local_atomic(known, lambda tmp: Path(tmp).write_text(answer))
-    except (OSError, StoreError) as exc:
-        log.debug("%s not kept in %s: %s", folder, known, exc)
-    return answer
 
 
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust's std::io::Error ends (safetensors)

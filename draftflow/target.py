@@ -33,7 +33,8 @@ from draftflow.compat import quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
 from draftflow.gguf_target import convert_gguf, gguf_source
-from draftflow.store import default_cache_dir, kept_answer, shared_mode
+from draftflow.kept import default_cache_dir, kept_answer
+from draftflow.store import shared_mode
 
 log = logging.getLogger(__name__)
 

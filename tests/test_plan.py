@@ -157,7 +157,7 @@ def test_preflight_loads_a_local_targets_tokenizer_and_config_once_per_content(t
     """The chat and layer checks load the target through transformers (~5 s of every run's start on 2 cores);
     their answers are kept by the target's content, so a second run reads them, and an edited target (another
     fingerprint) is checked afresh. A check that fails keeps nothing."""
-    from draftflow.store import default_cache_dir
+    from draftflow.kept import default_cache_dir
 
     kept = default_cache_dir() / "preflight"
     before = set(kept.glob("*")) if kept.is_dir() else set()

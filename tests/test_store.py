@@ -4,7 +4,8 @@ import os
 import pytest
 
 from draftflow.contracts import Manifest, ShardEntry
-from draftflow.store import Store, kept_answer, shard_entry, stage_fingerprint
+from draftflow.kept import kept_answer
+from draftflow.store import Store, shard_entry, stage_fingerprint
 
 
 def test_writing_commits_atomically_and_cleans_up_on_error(tmp_path):

@@ -33,7 +33,8 @@ from draftflow.config.curate import CodeStubsConfig
 from draftflow.data.readers import import_folder
 from draftflow.data.sources import HUMANEVAL_ASK
 from draftflow.errors import ConfigError
-from draftflow.store import default_cache_dir, write_local_atomic
+from draftflow.kept import default_cache_dir
+from draftflow.store import write_local_atomic
 
 log = logging.getLogger(__name__)
 STDLIB = "stdlib"

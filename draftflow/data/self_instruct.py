@@ -33,7 +33,8 @@ from draftflow.config import RegenerateConfig, SelfInstructConfig, TargetConfig
 from draftflow.data import dedup
 from draftflow.engines import Completion, Engine, GenRequest, SamplingParams, make_engine
 from draftflow.errors import ConfigError, DraftflowError
-from draftflow.store import default_cache_dir, digest, write_local_atomic
+from draftflow.kept import default_cache_dir
+from draftflow.store import digest, write_local_atomic
 from draftflow.target import TargetRef
 
 log = logging.getLogger(__name__)

@@ -86,7 +86,7 @@ def prepare_environment(vcfg: VLLMEngineConfig) -> None:
     """Environment vLLM reads when its engine starts: its compile cache under draftflow's cache (not the
     user's home) and, on CPU builds, a KV cache of `cpu_kv_cache_gib` (vLLM would size it from RAM) and
     the cores of `cpu_threads_bind` (a binding set outside draftflow is left alone when that is null)."""
-    from draftflow.store import default_cache_dir
+    from draftflow.kept import default_cache_dir
 
     os.environ.setdefault("VLLM_CACHE_ROOT", str(default_cache_dir() / "vllm"))
     if on_cpu():

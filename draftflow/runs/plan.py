@@ -24,6 +24,7 @@ from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
 from draftflow.drafters.taps import check_drafter, feature_ids
 from draftflow.errors import ConfigError, DraftflowError
+from draftflow.kept import kept_answer
 from draftflow.runs.runstate import stage_states
 from draftflow.stages.curate import check_sources
 from draftflow.stages.estimate import (
@@ -38,7 +39,7 @@ from draftflow.stages.estimate import (
 from draftflow.stages.extract import check_online
 from draftflow.stages.regenerate import check_engine
 from draftflow.stages.registry import maker, spec, stage_names
-from draftflow.store import Store, kept_answer
+from draftflow.store import Store
 from draftflow.target import TargetRef, check_target_files, resolve_target
 
 log = logging.getLogger(__name__)

@@ -23,9 +23,10 @@ from typing import Any
 
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest
+from draftflow.kept import default_cache_dir
 from draftflow.stages.common import manifest_digest
 from draftflow.stages.registry import resumes, spec, stage_inputs, stage_names, stamp, upstream_of
-from draftflow.store import Store, default_cache_dir
+from draftflow.store import Store
 
 PARTIAL = "partial"  # in-shard checkpoints of regenerate and extract (`stages.common.SCRATCH`)
 CKPT_DIR = "checkpoints"  # `training.checkpoint.CKPT_DIR`: complete checkpoints are `step_<N>` folders

@@ -30,8 +30,9 @@ from draftflow.drafters.export import TRAINED_ON_NAME, write_trained_on
 from draftflow.drafters.registry import drafter_spec
 from draftflow.export_readme import ROOT_PLACEHOLDER, portable_target_name, serve_command, speculative_settings
 from draftflow.feature_stream import open_features
+from draftflow.kept import default_cache_dir
 from draftflow.stages.common import finalize
-from draftflow.store import Store, default_cache_dir, shard_entry
+from draftflow.store import Store, shard_entry
 from draftflow.target import TargetRef
 from draftflow.training.checkpoint import CKPT_DIR
 from draftflow.training.job import Trained, token_counts, train_here

@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_rank(spec: dict[str, Any] | None, exchange: Exchange, rank: int) -> None:
     from draftflow.config import RunConfig
     from draftflow.contracts import read_feature_source
-    from draftflow.store import Store, default_cache_dir
+    from draftflow.kept import default_cache_dir
+    from draftflow.store import Store
     from draftflow.training.job import train_here
 
     if spec is None:

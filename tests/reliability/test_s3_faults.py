@@ -131,7 +131,7 @@ def clean_run(moto_endpoint, tmp_path_factory):
 def _empty_root() -> None:
     import s3fs
 
-    from draftflow.store import default_cache_dir
+    from draftflow.kept import default_cache_dir
 
     s3fs.S3FileSystem.clear_instance_cache()
     s3fs.S3FileSystem().rm(ROOT, recursive=True)
