@@ -456,10 +456,7 @@ def test_cancelling_a_deployment_run_from_prefect_stops_it_on_its_worker_and_sho
                 assert not nested, [(r.name, r.state.name) for r in nested]
             assert _eventually(lambda: not alive(started), timeout=60), alive(started)
             assert any(root.glob("train/*/work/checkpoints/step_*"))  # the step it stopped at is kept
-        finally:  # the worker's own shutdown is not under test: under load it took over 60 s (two CI runs)
-            os.killpg(worker.pid, signal.SIGTERM)
-            try:
-                worker.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, signal.SIGKILL)
-                worker.wait(timeout=60)
+        finally:  # the worker's own shutdown is not under test: Prefect 3.9's process worker, idle, did not exit
+            # within 90 s of SIGTERM or SIGINT here (2026-12-07), and this wait for it was ~180 s of the test's ~230
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait(timeout=60)
