@@ -32,6 +32,6 @@ def uninterrupted(env, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def finished_run(uninterrupted):
-    """The uninterrupted run's root, complete (`procs.seeded_before_train` copies its stages before train)."""
+    """The uninterrupted run's root, complete (`procs.seeded_before` copies its stages before a test's stage)."""
     root, _ = uninterrupted
     return root.parent / "uninterrupted"

@@ -249,14 +249,14 @@ def described(pids: set[int]) -> str:
 LONG_TRAINING = "train.max_steps=200"  # long enough that a fault lands while training
 
 
-def seeded_before_train(root: Path, finished: Path) -> Path:
-    """`root` holding copies of `finished`'s stages before train (a finished run of the same config, its code a
-    snapshot of the same tree: the same fingerprints), so that a test about training starts where a user's re-run
-    would, those stages reused rather than computed again (~45 s idle of each such test's first run)."""
+def seeded_before(stage: str, root: Path, finished: Path) -> Path:
+    """`root` holding copies of `finished`'s stages before `stage` (a finished run of the same config, its code a
+    snapshot of the same tree: the same fingerprints), so that a test about `stage` starts where a user's re-run
+    would, those stages reused rather than computed again (~45 s idle of a test about training's first run)."""
     from draftflow.stages.registry import needed
 
-    for stage in needed("train")[:-1]:
-        shutil.copytree(finished / stage, root / stage)
+    for before in needed(stage)[:-1]:
+        shutil.copytree(finished / before, root / before)
     return root
 
 

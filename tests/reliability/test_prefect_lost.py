@@ -23,7 +23,7 @@ from tests.reliability.procs import (
     finish,
     free_port,
     run_until_line,
-    seeded_before_train,
+    seeded_before,
     snapshot_code,
     start_and_wait_for_training,
     start_prefect_server,
@@ -57,7 +57,7 @@ def test_a_dead_api_at_start_is_one_line(code, tmp_path):
 def test_a_server_lost_mid_run_stops_it_in_one_line_and_the_rerun_resumes(code, finished_run, tmp_path):
     server, env = start_prefect_server(tmp_path / "first")
     env = {**env, "CODE_SNAPSHOT": str(code), "DRAFTFLOW_API_LOST_AFTER_S": str(LOST_AFTER_S)}
-    root, log = seeded_before_train(tmp_path / "run", finished_run), tmp_path / "run.log"
+    root, log = seeded_before("train", tmp_path / "run", finished_run), tmp_path / "run.log"
     try:
         proc, started = start_and_wait_for_training(env, root, log, f"train.max_steps={STEPS}")
     finally:

@@ -13,6 +13,7 @@ so every one of them runs on host B. A kill point armed in host B's Python proce
    first tokenize commit again and then killed outright (every process): the run again stops in one line.
 3. Host B started plainly: the re-run finishes, with manifests and files equal to an uninterrupted run's
    on threads (tests/reliability/conftest.py): the faults lost nothing and duplicated nothing.
+The root starts with that run's stages before tokenize (`procs.seeded_before`): the runs begin at the stage on Ray.
 
 Needs root and `ip netns` (skipped elsewhere). About 4 min on 2 cores: three `ray start`s and three CLI runs.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.reliability.netns import ADDR, DEADLINE_S, Hosts, two_hosts, wait_listening
-from tests.reliability.procs import PREFECT, assert_equals_uninterrupted, cli_args
+from tests.reliability.procs import PREFECT, assert_equals_uninterrupted, cli_args, seeded_before
 
 pytestmark = pytest.mark.reliability
 pytest.importorskip("prefect_ray")
@@ -121,9 +122,10 @@ def _stopped_in_one_line(proc: subprocess.Popen, log: Path) -> str:
 
 
 def test_a_ray_worker_cut_off_then_lost_stops_in_one_line_and_the_rerun_equals_a_clean_run(env, uninterrupted,
-                                                                                           tmp_path):
+                                                                                           finished_run, tmp_path):
     _, (want_manifests, want_files) = uninterrupted
     code = Path(env["CODE_SNAPSHOT"])
+    seeded_before("tokenize", tmp_path / "run", finished_run)  # the runs start at tokenize, the stage on Ray
     with two_hosts() as hosts:
         cluster = Cluster(hosts, tmp_path, code)
 

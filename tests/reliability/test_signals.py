@@ -23,7 +23,7 @@ from tests.reliability.procs import (
     finish,
     run_to_end,
     run_until_line,
-    seeded_before_train,
+    seeded_before,
     start_and_wait_for,
     start_and_wait_for_training,
     temporary_server_env,
@@ -46,7 +46,7 @@ def temp_env(tmp_path_factory):
 @pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
                          ids=["sigterm", "ctrl-c to the process group"])
 def test_a_signal_during_training_stops_cleanly_and_the_rerun_resumes(sig, to_group, temp_env, finished_run, tmp_path):
-    root, log = seeded_before_train(tmp_path / "run", finished_run), tmp_path / "run.log"
+    root, log = seeded_before("train", tmp_path / "run", finished_run), tmp_path / "run.log"
     proc, started = start_and_wait_for_training(temp_env, root, log)
     assert started, "the run started no process (its temporary Prefect server at least)"
     (os.killpg if to_group else os.kill)(proc.pid, sig)
@@ -102,7 +102,7 @@ def test_sigterm_during_regenerate_stops_between_batches_and_the_rerun_resumes(t
 def test_sigkill_of_the_run_leaves_no_process(temp_env, finished_run, tmp_path):
     """The temporary server and every child die with a SIGKILLed (or OOM-killed) run; the lease is then
     stale (its holder is gone) and the next run on this host takes it at once."""
-    root, log = seeded_before_train(tmp_path / "run", finished_run), tmp_path / "run.log"
+    root, log = seeded_before("train", tmp_path / "run", finished_run), tmp_path / "run.log"
     proc, started = start_and_wait_for_training(temp_env, root, log)
     os.kill(proc.pid, signal.SIGKILL)  # the leader only, as the OOM killer does
     proc.wait()
