@@ -14,11 +14,24 @@ written by either version, or a plain namespace in tests, works the same.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 DEFAULT_ROPE_THETA = 10000.0
+_IMPORTING = threading.RLock()
+
+
+@contextmanager
+def importing_transformers() -> Iterator[None]:
+    """Hold this around every import from transformers: its lazy top-level module is not thread-safe on first use.
+    Several shard tasks (threads) of a stage that first touch `transformers.AutoTokenizer` at once made all but one
+    fail with "ImportError: cannot import name 'AutoTokenizer' from 'transformers'" (a re-run whose first stage to
+    use transformers was tokenize, 2026-12-07; Prefect's retry then passed). One process-wide lock, re-entrant (an
+    import under it may import a module that takes it), makes the first import one thread's."""
+    with _IMPORTING:
+        yield
 
 
 def _rope_parameters(config: Any) -> Mapping[str, Any] | None:
@@ -75,7 +88,8 @@ def quiet_progress() -> Iterator[None]:
     only for sharded checkpoints. The switch is process-wide (it also hides hub download bars),
     so use it only around local work that is quick anyway.
     """
-    from transformers.utils import logging as hf_logging
+    with importing_transformers():
+        from transformers.utils import logging as hf_logging
 
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
@@ -95,7 +109,8 @@ def quiet_gguf_conversion() -> Iterator[None]:
     only when tqdm is imported: that module's `tqdm` is bound to a disabled one while the block runs.
     Process-wide like `quiet_progress`: hold a lock around it if other threads load GGUF files.
     """
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    with importing_transformers():
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
     bar = getattr(gguf_utils, "tqdm", None)
     if bar is not None:

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, nullcontext
 from importlib.metadata import version
 from pathlib import Path
 
-from draftflow.compat import quiet_gguf_conversion, quiet_progress
+from draftflow.compat import importing_transformers, quiet_gguf_conversion, quiet_progress
 from draftflow.config import TargetConfig
 from draftflow.errors import ConfigError
 from draftflow.kept import default_cache_dir, kept_answer
@@ -231,7 +231,8 @@ def _field(reader, key: str):
 def _build(file: Path, info: dict, dtype: str, out: Path) -> None:
     """Dequantize into a fresh model of the same class and save it with its tokenizer."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    with importing_transformers():
+        from transformers import AutoModelForCausalLM, GenerationConfig
 
     arch = info["architecture"]
     try:
@@ -269,7 +270,8 @@ def _tokenizer(file: Path, ids: dict):
     transformers 5.x's GGUF converter names the bos token as eos (`<|im_start|>` for SmolLM2),
     so the roles are set again here from the ids the file declares.
     """
-    from transformers import AutoTokenizer
+    with importing_transformers():
+        from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name)
     for role in ("bos", "eos", "unk", "pad"):
@@ -295,10 +297,12 @@ def _supported_architectures() -> list[str]:
     """The GGUF architectures this transformers converts (its private tables; empty if they move)."""
     names: set[str] = set()
     try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+        with importing_transformers():
+            from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
         names.update(GGUF_SUPPORTED_ARCHITECTURES)
-        from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS
+        with importing_transformers():
+            from transformers.integrations.gguf.gguf_conversion_mapping import GGUF_ARCHS
 
         names.update(GGUF_ARCHS)
     except ImportError:

@@ -29,7 +29,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftflow.compat import quiet_progress
+from draftflow.compat import importing_transformers, quiet_progress
 from draftflow.config import TargetConfig, TinyTargetConfig
 from draftflow.errors import ConfigError
 from draftflow.gguf_target import convert_gguf, gguf_source
@@ -208,7 +208,8 @@ def _tiny_key(cfg: TinyTargetConfig) -> str:
 
 def _train_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    with importing_transformers():
+        from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -243,7 +244,8 @@ def _corpus_lines() -> list[str]:
 
 def _write_tiny_target(cfg: TinyTargetConfig, out: Path) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    with importing_transformers():
+        from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = _train_tokenizer(cfg.vocab_size)
     # Room for the DFlash mask token at id len(tokenizer), padded to a multiple of 64.
@@ -331,7 +333,8 @@ def check_loading_info(path: str, info: dict) -> None:
 @functools.lru_cache(maxsize=2)
 def _load_target(path: str, dtype: str, device: str):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with importing_transformers():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from draftflow.small_rows import use_small_rows
 

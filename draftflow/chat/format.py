@@ -43,6 +43,7 @@ from draftflow.chat.probe import prefix_stable
 from draftflow.chat.render import GENERATION_TAG, Renderer, conversation_error, fixed_strftime_now
 from draftflow.chat.tokens import tokenize_texts
 from draftflow.chat.validate import supervised_turns, validate
+from draftflow.compat import importing_transformers
 from draftflow.errors import ConfigError, ConversationError
 
 logger = logging.getLogger(__name__)
@@ -103,10 +104,10 @@ class ChatFormat:
             A ChatFormat over that tokenizer.
 
         Raises:
-            ConfigError: the folder cannot be loaded as a tokenizer, or it has no template
-                (the message names `path`).
+            ConfigError: the folder cannot be loaded as a tokenizer, or it has no template (naming `path`).
         """
-        from transformers import AutoTokenizer  # heavy import, only when loading
+        with importing_transformers():
+            from transformers import AutoTokenizer  # heavy import, only when loading
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path))

@@ -29,6 +29,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
+from draftflow.compat import importing_transformers
 from draftflow.errors import ConfigError, ConversationError
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ def _tool_schemas(tools: Any) -> Any:
     """Functions become JSON schemas, as in apply_chat_template; dicts pass through."""
     if tools is None or not any(isfunction(t) for t in tools):
         return tools
-    from transformers.utils import get_json_schema
+    with importing_transformers():
+        from transformers.utils import get_json_schema
 
     return [get_json_schema(t) if isfunction(t) else t for t in tools]
 

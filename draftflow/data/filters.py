@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
+from draftflow.compat import importing_transformers
 from draftflow.config import CurateConfig
 from draftflow.data.sources import BadRow
 from draftflow.errors import ConfigError
@@ -144,7 +145,8 @@ def apply_filters(filters: list[Filter], prompt: Prompt) -> None:
 @lru_cache(maxsize=2)
 def load_tokenizer(path: str):
     """A (fast) tokenizer for token-length bounds, loaded once per process."""
-    from transformers import AutoTokenizer
+    with importing_transformers():
+        from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from draftflow.compat import importing_transformers
 from draftflow.config import VLLMEngineConfig
 from draftflow.engines.base import Completion, GenRequest, SamplingParams
 from draftflow.errors import ConfigError, DraftflowError
@@ -233,7 +234,8 @@ def to_completion(output: Any, eos_ids: set[int], decode: Callable[[list[int]], 
 
 
 def _load_generation_eos(path: str, revision: str | None) -> Any:
-    from transformers import GenerationConfig
+    with importing_transformers():
+        from transformers import GenerationConfig
 
     try:
         return GenerationConfig.from_pretrained(path, revision=revision).eos_token_id
@@ -268,7 +270,8 @@ class VLLMEngine:
         vllm = import_vllm()
         check_head_size(path)
         prepare_environment(vcfg)
-        from transformers import AutoTokenizer
+        with importing_transformers():
+            from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         eos = stop_token_ids(_load_generation_eos(path, revision), tokenizer.eos_token_id)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from draftflow.compat import importing_transformers
 from draftflow.config import EvaluateConfig
 from draftflow.drafters.registry import spec_for_architecture
 from draftflow.drafters.spec import CachedProposer
@@ -35,7 +36,8 @@ from draftflow.evaluation.baselines import Baseline
 from draftflow.layers import hf_hidden_state_index
 
 if TYPE_CHECKING:
-    from transformers import DynamicCache  # imported when a cache is made: transformers is ~1.5 s of a run's start
+    with importing_transformers():
+        from transformers import DynamicCache  # imported when a cache is made: transformers is ~1.5 s of a run's start
 
 
 @torch.no_grad()
@@ -66,7 +68,8 @@ def read_tokens(
 
 def new_cache() -> DynamicCache:
     """A target cache whose every layer keeps all positions (so any rollback is a crop, sliding layers too)."""
-    from transformers import DynamicCache
+    with importing_transformers():
+        from transformers import DynamicCache
 
     return DynamicCache()
 

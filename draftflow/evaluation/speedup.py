@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from draftflow.compat import importing_transformers
 from draftflow.evaluation import serve_choice
 
 MODEL = "predicted(k) = tau(k) * t_step / (t_verify(k) + t_draft(k)), tau(k) = 1 + a_1 + ... + a_k; best k"
@@ -83,7 +84,8 @@ def device_label(device: torch.device) -> str:
 @torch.no_grad()
 def _target_costs(target, seq: list[int], block: list[int], device: torch.device) -> dict[int, float]:
     """n -> seconds of a forward over n new positions after `seq` (KV-cached), for n = 1..len(block)."""
-    from transformers import DynamicCache
+    with importing_transformers():
+        from transformers import DynamicCache
 
     cache = DynamicCache()
     target(input_ids=torch.tensor([seq], device=device), past_key_values=cache, use_cache=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from draftflow.compat import importing_transformers
 from draftflow.config import RunConfig
 from draftflow.drafters.registry import DRAFTERS, drafter_spec
 from draftflow.drafters.taps import feature_ids
@@ -30,7 +31,8 @@ TOKEN_OVERHEAD_BYTES = 9  # int64 input id + uint8 loss-mask byte per token
 
 def target_config(cfg: RunConfig, target: TargetRef):
     """The target's transformers config (config.json only; no weights are read)."""
-    from transformers import AutoConfig
+    with importing_transformers():
+        from transformers import AutoConfig
 
     try:
         return AutoConfig.from_pretrained(target.path, revision=cfg.target.revision)

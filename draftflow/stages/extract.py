@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from draftflow import progress
+from draftflow.compat import importing_transformers
 from draftflow.config import RunConfig
 from draftflow.contracts import Manifest, ShardEntry, ShardResult, StageResult, Stamp, carry
 from draftflow.data.schema import read_rows
@@ -48,7 +49,8 @@ STAGE = "extract"
 
 def target_depth(target_path: str) -> int:
     """Decoder layers of the target, from its config (no weights loaded)."""
-    from transformers import AutoConfig
+    with importing_transformers():
+        from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(target_path).num_hidden_layers
 

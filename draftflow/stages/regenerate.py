@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from draftflow import interrupt, progress
+from draftflow.compat import importing_transformers
 from draftflow.config import RegenerateConfig, RunConfig
 from draftflow.contracts import ShardEntry, ShardResult
 from draftflow.data.schema import REGENERATED, REJECTED, read_rows, rows_from_table, template_kwargs, write_rows
@@ -52,7 +53,8 @@ STOP_GRACE_S = 8.0
 
 def sampling_params(rcfg: RegenerateConfig, target_path: str) -> SamplingParams:
     """Sampling from the config, defaults from the target's `generation_config.json`."""
-    from transformers import GenerationConfig
+    with importing_transformers():
+        from transformers import GenerationConfig
 
     try:
         gen = GenerationConfig.from_pretrained(target_path)
@@ -69,7 +71,8 @@ def sampling_params(rcfg: RegenerateConfig, target_path: str) -> SamplingParams:
 
 def context_limit(cfg: RunConfig, target_path: str) -> int | None:
     """Longest prompt + completion the target accepts (None when unknown)."""
-    from transformers import AutoConfig
+    with importing_transformers():
+        from transformers import AutoConfig
 
     if cfg.regenerate.engine == "vllm" and cfg.regenerate.vllm.max_model_len:
         return cfg.regenerate.vllm.max_model_len

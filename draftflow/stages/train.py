@@ -24,6 +24,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from draftflow.compat import importing_transformers
 from draftflow.config import RunConfig, VLLMEngineConfig
 from draftflow.contracts import FeatureSource, Manifest, OnlineFeatures, ShardEntry, ShardResult, Stamp
 from draftflow.drafters.export import TRAINED_ON_NAME, write_trained_on
@@ -111,7 +112,8 @@ def train_in_children(store: Store, cfg: RunConfig, target: TargetRef, features:
     tokenize rows of online mode), the resolved config, the target and the work folder.
     Remote inputs are downloaded and verified here once, so the ranks find them cached.
     """
-    from transformers import AutoConfig
+    with importing_transformers():
+        from transformers import AutoConfig
 
     from draftflow.training.launch import launch_training
 
