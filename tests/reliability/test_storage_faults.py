@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.reliability.procs import leftovers, manifests, run_to_end, run_with_fault, sha256_tree
+from tests.reliability.procs import leftovers, manifests, run_to_end, run_with_fault, seeded_before, sha256_tree
 
 pytestmark = pytest.mark.reliability
 
@@ -43,9 +43,11 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-R", "-l", str(mount)], check=False)
 
 
-def test_storage_faults_mid_run_are_one_line_and_the_rerun_matches(env, uninterrupted, small_disk, tmp_path):
+def test_storage_faults_mid_run_are_one_line_and_the_rerun_matches(env, uninterrupted, finished_run, small_disk,
+                                                                   tmp_path):
     _, (want_manifests, want_files) = uninterrupted
     root, ballast = small_disk / "run", small_disk / "ballast"
+    seeded_before("tokenize", root, finished_run)  # the first fault is in tokenize: the run starts there
     for i, (point, fault, words) in enumerate(FAULTS):
         rc, out = run_with_fault(env, str(root), point, f"{fault}:{ballast if fault == 'fill' else root}",
                                  tmp_path / f"fault-{i}.log")
