@@ -70,11 +70,12 @@ def _imported(root: Path, path: Path) -> frozenset[str]:
 @functools.cache  # stages share most of their modules: each version of a file is read once per process
 def _imported_version(root: Path, path: Path, mtime_ns: int, size: int) -> frozenset[str]:
     """Parsing is most of a closure's cost (~1 s of a process's ~1.4 s for the six stages and preflight): the answer
-    is kept on disk under the module's name and its bytes' sha256 (`kept.kept_answer`), so a machine parses each
-    version of a file once. The bytes, not the mtime, are the key: a stale answer cannot outlive an edit."""
+    is kept on disk under the file's place in the package (its module and package, which relative imports resolve
+    against) and its bytes' sha256 (`kept.kept_answer`), so a machine parses each version of a file once. The bytes,
+    not the mtime, are the key: a stale answer cannot outlive an edit."""
     source = path.read_bytes()
     this = _module_name(root, path)
-    key = f"imports-v1 {this} {hashlib.sha256(source).hexdigest()}"
+    key = f"imports-v1 {root.name}/{path.relative_to(root)} {hashlib.sha256(source).hexdigest()}"
     kept = kept_answer("code-imports", key, lambda: "\n".join(sorted(_parsed_imports(this, path, source))))
     return frozenset(kept.split("\n")) - {""}
 
