@@ -176,6 +176,18 @@ def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, time
                          describe=lambda: f" (kill point {point}):\n{log.read_text()[-4000:]}")
 
 
+# Prefect's line for a failed task run ("Task run failed with <type>: ... - Retry 1/2 will start ..."), and Python's
+# for an uncaught error: a run that a kill or a resume disturbed, and no fault, shows neither. A retried task still
+# ends the run well, so only its log tells (a race in a resumed run's first stage was found this way).
+FAILURE_MARKS = ("Task run failed with", "Traceback (most recent call last)")
+
+
+def failures_in(logs: list[Path]) -> list[str]:
+    """Each line of `logs` that says a task failed or starts a traceback, as '<log name>: <line>'."""
+    return [f"{log.name}: {line}" for log in logs for line in log.read_text(errors="replace").splitlines()
+            if any(mark in line for mark in FAILURE_MARKS)]
+
+
 def run_with_fault(env: dict, root: str, point: str, action: str, log: Path, timeout: float = 300) -> tuple[int, str]:
     """A run that meets a storage fault (`action`, see killable.py) at `point` and goes on into it; its exit
     code and output. Fails the test if the point is never reached."""

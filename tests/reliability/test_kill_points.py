@@ -5,7 +5,8 @@ SIGKILLed (its whole process group) the moment that event happens, and the next 
 killed at the next point, and so on down the pipeline; a last run completes it. Its manifests (which
 hold every shard's sha256, the checkpoint's weights and τ) must equal an uninterrupted run's in the same
 root byte for byte, and it must leave no work/ or partial/ folders, temp files or empty folders (a kill
-right after a manifest leaves them; the next run tidies a complete stage it reuses).
+right after a manifest leaves them; the next run tidies a complete stage it reuses). No run's log may show a failed
+task or a traceback: a task that failed and passed on Prefect's retry still ends the run well.
 30 kills (5 per stage) and 32 runs: ~6 min on 2 idle cores. Runs start from a copy of the code taken
 when the module starts: a stage's fingerprint holds its code's hash, and an edit to the working tree
 mid-test would start the stages after it afresh.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.reliability.procs import assert_equals_uninterrupted, run_killed_at, run_to_end
+from tests.reliability.procs import assert_equals_uninterrupted, failures_in, run_killed_at, run_to_end
 
 pytestmark = pytest.mark.reliability
 
@@ -56,3 +57,4 @@ def test_sigkill_at_every_kill_point_then_resume_equals_an_uninterrupted_run(env
             run_killed_at(env, str(root), point, logs / f"{stage}-{i}.log")
     run_to_end(env, str(root), logs / "final.log")
     assert_equals_uninterrupted(root, want_manifests, want_files)
+    assert failures_in(sorted(logs.glob("*.log"))) == [], "a task failed (and was retried) in a killed or resumed run"
