@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from tests.reliability.procs import failures_in, manifests, prefect_server, run_to_end, sha256_tree, snapshot_code
+from tests.reliability.procs import manifests, prefect_server, run_to_end, sha256_tree, snapshot_code
 
 
 @pytest.fixture(scope="session")
@@ -25,7 +25,6 @@ def uninterrupted(env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kill")
     root = tmp / "run"
     run_to_end(env, str(root), tmp / "uninterrupted.log")
-    assert failures_in([tmp / "uninterrupted.log"]) == [], "a task failed (and was retried) in the uninterrupted run"
     want = manifests(root), sha256_tree(root)
     shutil.move(root, tmp / "uninterrupted")
     return root, want

@@ -127,13 +127,27 @@ def cli_args(root: str, *extra: str) -> list[str]:
     return ["run", "configs/tiny.yaml", *sets]
 
 
-def run_to_end(env: dict, root: str, log: Path, *extra: str, timeout: float = 300) -> None:
-    """A whole run (no kill point); fails the test with the log's tail if it does not succeed."""
+# Prefect's line for a failed task run ("Task run failed with <type>: ... - Retry 1/2 will start ..."), and Python's
+# for an uncaught error: a run that a kill or a resume disturbed, and no fault, shows neither. A retried task still
+# ends the run well, so only its log tells (a race in a resumed run's first stage was found this way).
+FAILURE_MARKS = ("Task run failed with", "Traceback (most recent call last)")
+
+
+def failures_in(logs: list[Path]) -> list[str]:
+    """Each line of `logs` that says a task failed or starts a traceback, as '<log name>: <line>'."""
+    return [f"{log.name}: {line}" for log in logs for line in log.read_text(errors="replace").splitlines()
+            if any(mark in line for mark in FAILURE_MARKS)]
+
+
+def run_to_end(env: dict, root: str, log: Path, *extra: str, timeout: float = 300, failures_ok: bool = False) -> None:
+    """A whole run (no kill point); fails the test with the log's tail if it does not succeed, or if a task failed
+    on the way (`failures_in`) unless the test injects faults that tasks retry (`failures_ok`)."""
     cmd = [sys.executable, "-m", "tests.reliability.killable", "-", "-", "--", *cli_args(root, *extra)]
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, cwd=code_dir(env), env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout,
                             start_new_session=True).returncode
     assert rc == 0, f"run exited {rc}:\n{log.read_text()[-4000:]}"
+    assert failures_ok or failures_in([log]) == [], f"a task failed (and was retried):\n{log.read_text()[-4000:]}"
 
 
 def run_until_line(env: dict, root: str, log: Path, prefix: str, *extra: str, timeout: float = 300) -> str:
@@ -174,18 +188,6 @@ def run_killed_at(env: dict, root: str, point: str, log: Path, *extra: str, time
                                 start_new_session=True)
         kill_when_frozen(proc, marker, timeout, group=True,
                          describe=lambda: f" (kill point {point}):\n{log.read_text()[-4000:]}")
-
-
-# Prefect's line for a failed task run ("Task run failed with <type>: ... - Retry 1/2 will start ..."), and Python's
-# for an uncaught error: a run that a kill or a resume disturbed, and no fault, shows neither. A retried task still
-# ends the run well, so only its log tells (a race in a resumed run's first stage was found this way).
-FAILURE_MARKS = ("Task run failed with", "Traceback (most recent call last)")
-
-
-def failures_in(logs: list[Path]) -> list[str]:
-    """Each line of `logs` that says a task failed or starts a traceback, as '<log name>: <line>'."""
-    return [f"{log.name}: {line}" for log in logs for line in log.read_text(errors="replace").splitlines()
-            if any(mark in line for mark in FAILURE_MARKS)]
 
 
 def run_with_fault(env: dict, root: str, point: str, action: str, log: Path, timeout: float = 300) -> tuple[int, str]:

@@ -153,7 +153,7 @@ def test_a_run_through_faults_writes_the_manifests_of_a_run_without(clean_run, t
               Fault("PUT", r"/partial/", "500", nth=3), Fault("GET", r"list-type=2", "500", nth=3)]
     through(*faults)
     log = Path(code).parent / "faulty.log"
-    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, ROOT, log)
+    run_to_end({**os.environ, "CODE_SNAPSHOT": code}, ROOT, log, failures_ok=True)  # tasks may retry a fault
     got = _manifests(ROOT)
     assert [f.hits for f in faults] == [f.times for f in faults]
     assert sorted(got) == sorted(want)
