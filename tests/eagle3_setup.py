@@ -4,6 +4,7 @@ vocabulary tokenize would build from them, a drafter around the target, a traini
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -46,10 +47,11 @@ def ecfg(target):
     return Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=TAPS, ttt_steps=K), VD)
 
 
-@pytest.fixture(scope="module")
-def drafter(ecfg, target, vocab):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1 layer", "2 layers"])
+def drafter(request, ecfg, target, vocab):
+    """The paper's one layer, and two (a plain Llama layer after `midlayer`): every test of it runs on both."""
     torch.manual_seed(2)
-    d = Eagle3Drafter(ecfg, target, *vocab).eval()
+    d = Eagle3Drafter(replace(ecfg, num_layers=request.param), target, *vocab).eval()
     with torch.no_grad():  # norms away from 1, so a mixed-up norm shows in the logits
         for name, p in d.named_parameters():
             if p.requires_grad and name.endswith("norm.weight"):

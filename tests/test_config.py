@@ -110,8 +110,9 @@ def test_setting_another_kind_keeps_only_the_fields_it_has(tmp_path):
         load_config(typo, ["drafter.kind=dflash"])
     with pytest.raises(ConfigError, match=r"'drafter\.block_size' for drafter\.kind eagle3 .* --set drafter\.block"):
         load_config("configs/tiny.yaml", ["drafter.block_size=4", "drafter.kind=eagle3"])
-    with pytest.raises(ConfigError, match=r"drafter\.num_layers': Value error, EAGLE-3 has exactly one decoder layer"):
-        load_config("configs/tiny-eagle3.yaml", ["drafter.num_layers=2"])
+    with pytest.raises(ConfigError, match=r"drafter\.num_layers': Input should be greater than or equal to 1 in --set"):
+        load_config("configs/tiny-eagle3.yaml", ["drafter.num_layers=0"])
+    assert load_config("configs/tiny-eagle3.yaml", ["drafter.num_layers=2"]).drafter.num_layers == 2
 
 
 def test_a_refused_assignment_leaves_the_section_as_it_was():

@@ -51,8 +51,8 @@ def test_taps_follow_vllm_and_specforge_and_bad_settings_are_config_errors(targe
         eagle3_taps([1, 2], 8)
     with pytest.raises(ConfigError, match="strictly increasing"):  # 6 layers: defaults collide
         eagle3_taps(None, 6)
-    with pytest.raises(ValueError, match="EAGLE-3 has exactly one decoder layer, not 2"):  # its settings' rule
-        DrafterConfig(kind="eagle3", target_layer_ids=TAPS, num_layers=2)
+    with pytest.raises(ValueError, match="num_layers"):  # its settings' rule: one layer or more
+        DrafterConfig(kind="eagle3", target_layer_ids=TAPS, num_layers=0)
     with pytest.raises(ConfigError, match="draft_vocab_size"):
         Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=TAPS), 321)
 
@@ -297,12 +297,15 @@ def test_export_round_trip_same_logits(tmp_path, drafter, target, samples, expor
     assert cfg["norm_before_residual"] is False  # vLLM's speculators path defaults it to True
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
     assert not any("embed_tokens" in n or "target_head" in n for n in names)
-    layer = "midlayer." if export is export_eagle3_vllm else "layers.0."
+    layer, n = "midlayer." if export is export_eagle3_vllm else "layers.0.", drafter.config.num_layers
     assert f"{layer}self_attn.q_proj.weight" in names and f"{layer}hidden_norm.weight" in names
+    # a layer after the first is vLLM's `layers.1.` in both formats, a plain Llama layer (no hidden_norm)
+    assert ({"layers.1.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"} <= names) == (n == 2)
+    assert not any(name.startswith(("later.", "layers.1.hidden_norm")) for name in names)
     if export is export_eagle3_vllm:
-        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == n
     else:
-        assert cfg["speculators_model_type"] == "eagle3"
+        assert cfg["speculators_model_type"] == "eagle3" and cfg["transformer_layer_config"]["num_hidden_layers"] == n
         assert cfg["transformer_layer_config"]["vocab_size"] == 320
         assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
     loaded = load_exported(out, target).eval()

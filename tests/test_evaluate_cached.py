@@ -7,6 +7,8 @@ several prompts. Tiny float32 models, so greedy argmax does not flip on rounding
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -68,7 +70,8 @@ def _configs(target):
 def untrained(target):
     dcfg, ecfg = _configs(target)
     torch.manual_seed(1)
-    return {"dflash": DFlashDrafter(dcfg, target).eval(), "eagle3": Eagle3Drafter(ecfg, target).eval()}
+    return {"dflash": DFlashDrafter(dcfg, target).eval(), "eagle3": Eagle3Drafter(ecfg, target).eval(),
+            "eagle3 2 layers": Eagle3Drafter(replace(ecfg, num_layers=2), target).eval()}
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +199,7 @@ def test_dflash_cached_forward_equals_forward(target, untrained):
         torch.testing.assert_close(sliding.forward_cached(block_ids, block_pos, kv, ctx_pos, mask), full)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "eagle3 2 layers"])
 def test_cached_proposers_give_the_uncached_drafters_logits(target, untrained, prompts, kind):
     """Along a decoding trajectory (steps accepting 0..3 drafts), the cached proposer's logits equal the
     uncached proposer's: this catches what greedy tokens of a tiny model may hide (a RoPE position off by one)."""

@@ -100,6 +100,24 @@ def test_eagle3_copies_what_fits_and_maps_its_wider_attention_inputs_and_fc(targ
     assert torch.equal(drafter.fc(taps), taps[..., 2 * D:])  # the deepest tap (layer 3), unchanged
 
 
+def test_eagle3_of_two_layers_starts_as_the_targets_last_two(target):
+    """`midlayer` maps the second-to-last target layer as one layer maps the last; the layer after it (a plain
+    Llama layer) takes every tensor of the last whose name matches (a Qwen3 target's q/k norms have no place)."""
+    ecfg = Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=[1, 2, 3],
+                                                                 num_layers=2), 64)
+    drafter = Eagle3Drafter(ecfg, target, torch.zeros(64, dtype=torch.int64),
+                            torch.arange(target.config.vocab_size) < 64)
+    D, (before, last) = ecfg.hidden_size, target.model.layers[-2:]
+    copied = set(init_from_target_layers(drafter, target))
+    later = drafter.later[0].state_dict()
+    assert {f"1.{k}" for k in later} <= copied and "0.self_attn.q_proj.weight (hidden half)" in copied
+    for k, v in later.items():
+        assert torch.equal(v, last.state_dict()[k]), k
+    assert torch.equal(drafter.midlayer.self_attn.q_proj.weight[:, D:], before.self_attn.q_proj.weight)
+    assert torch.equal(drafter.midlayer.hidden_norm.weight, before.input_layernorm.weight)
+    assert torch.equal(drafter.midlayer.mlp.up_proj.weight, before.mlp.up_proj.weight)
+
+
 def test_eagle3_leaves_its_own_init_where_the_target_layer_is_not_llama_shaped(target):
     ecfg = Eagle3Config.from_target(target.config, DrafterConfig(kind="eagle3", target_layer_ids=[1, 2, 3]), 64)
     drafter = Eagle3Drafter(ecfg, target, torch.zeros(64, dtype=torch.int64),

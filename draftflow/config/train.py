@@ -29,7 +29,7 @@ class DrafterConfig(Section):
     EAGLE-3's unroll and draft vocabulary) are written in the same section and belong to the kind: its
     `draftflow/drafters/<kind>/settings.py` declares and validates them (`kind_settings`), so a field another
     kind owns, or a misspelt one, is a one-line error naming the key. The depth (`num_layers`) is the kind's too:
-    DFlash's default is 5, EAGLE-3 has exactly one."""
+    DFlash's default is 5, EAGLE-3's is the paper's one."""
 
     # Assignments are checked by `__setattr__` (the whole section, the kind's rules included), not field by field.
     model_config = ConfigDict(extra="allow", validate_assignment=False)

@@ -29,6 +29,7 @@ class Eagle3Config:
     draft_vocab_size: int
     target_layer_ids: list[int]  # draftflow ids (output of layer L), low/mid/high
     num_target_layers: int
+    num_layers: int = 1  # midlayer, then plain Llama layers (`model.LaterLayer`)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     distill_top_k: int | None = None  # training's labels (`ObjectiveOptions`): None the whole distribution
@@ -45,7 +46,7 @@ class Eagle3Config:
         """Build from the target's HF config, the run's `drafter` section and the draft vocabulary size.
 
         Raises:
-            ConfigError: bad taps (its one decoder layer is its settings' rule: `eagle3/settings.py`).
+            ConfigError: bad taps.
         """
         n_layers = int(target_config.num_hidden_layers)
         cfg = cls(
@@ -53,6 +54,7 @@ class Eagle3Config:
             draft_vocab_size=int(draft_vocab_size),
             target_layer_ids=eagle3_taps(drafter.target_layer_ids, n_layers),
             num_target_layers=n_layers,
+            num_layers=drafter.num_layers,
             ttt_steps=drafter.ttt_steps,
             ttt_decay=drafter.ttt_decay,
             distill_top_k=drafter.distill_top_k,
@@ -68,6 +70,9 @@ class Eagle3Config:
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ConfigError(f"draft vocabulary of {self.draft_vocab_size} tokens for a target vocabulary of "
                               f"{self.vocab_size}; set drafter.draft_vocab_size between 1 and {self.vocab_size}")
+        if self.num_layers < 1:
+            raise ConfigError(f"an EAGLE-3 drafter needs at least one decoder layer, not {self.num_layers}: set "
+                              "drafter.num_layers to 1 (the paper's) or more")
         if self.ttt_steps < 1 or not 0 < self.ttt_decay <= 1:
             raise ConfigError(f"drafter.ttt_steps must be >= 1 and 0 < drafter.ttt_decay <= 1, got "
                               f"{self.ttt_steps} and {self.ttt_decay}")

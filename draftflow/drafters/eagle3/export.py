@@ -42,7 +42,7 @@ from draftflow.models.weights import WEIGHTS_NAME, read_weights_and_config
 
 # draftflow name prefix -> speculators name prefix (vLLM native keeps draftflow's names).
 EAGLE3_SPECULATORS_NAMES: dict[str, str] = {
-    "midlayer.": "layers.0.",  # the single decoder layer
+    "midlayer.": "layers.0.",  # the first decoder layer (the paper's only one)
     "fc.": "fc.",  # (D, 3D), no bias
     "norm.": "norm.",
     "lm_head.": "lm_head.",  # (draft_vocab_size, D)
@@ -53,12 +53,19 @@ EAGLE3_VLLM_NAMES = {k: k for k in EAGLE3_SPECULATORS_NAMES}
 TITLE = KindFiles("EAGLE-3")
 
 
+def with_later_layers(table: dict[str, str], num_layers: int) -> dict[str, str]:
+    """`table` for a drafter of `num_layers` decoder layers: each layer after `midlayer` (`later.i.`) is
+    `layers.<i+1>.` in both formats (vLLM's `LlamaModel` builds `num_hidden_layers` layers, the first reading
+    [embedding, hidden])."""
+    return {**{f"later.{i}.": f"layers.{i + 1}." for i in range(num_layers - 1)}, **table}
+
+
 def llama_dims(cfg: Eagle3Config, target_config: Any) -> dict[str, Any]:
     """The EAGLE-3 layer as the Llama config vLLM's Eagle3LlamaForCausalLM reads."""
     return {
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
@@ -123,7 +130,7 @@ def export_eagle3_vllm(checkpoint_dir: str | Path, out_dir: str | Path, target_c
     for `export_vllm_dflash`."""
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     config = eagle3_vllm_config(cfg, target_config)
-    return write_export(out_dir, config, renamed(weights, EAGLE3_VLLM_NAMES),
+    return write_export(out_dir, config, renamed(weights, with_later_layers(EAGLE3_VLLM_NAMES, cfg.num_layers)),
                         target_name or default_target_name(target_config), served_from, target_config, TITLE)
 
 
@@ -133,8 +140,8 @@ def export_eagle3_speculators(checkpoint_dir: str | Path, out_dir: str | Path, t
     cfg, weights = _eagle3_checkpoint(checkpoint_dir)
     target_name = target_name or default_target_name(target_config)
     config = eagle3_speculators_config(cfg, target_config, target_name)
-    return write_export(out_dir, config, renamed(weights, EAGLE3_SPECULATORS_NAMES), target_name, served_from,
-                        target_config, TITLE)
+    table = with_later_layers(EAGLE3_SPECULATORS_NAMES, cfg.num_layers)
+    return write_export(out_dir, config, renamed(weights, table), target_name, served_from, target_config, TITLE)
 
 
 def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
@@ -151,12 +158,14 @@ def eagle3_config_from_export(data: dict[str, Any]) -> Eagle3Config:
         "draft_vocab_size": data["draft_vocab_size"], "target_layer_ids": ids,
         # speculators does not record the target's depth; any valid bound will do
         "num_target_layers": data.get("num_target_layers") or max(ids) + 2, "ttt_steps": steps,
+        "num_layers": dims.get("num_hidden_layers", 1),
     })
 
 
 def load_exported_eagle3(folder: Path, data: dict[str, Any], target_model: torch.nn.Module) -> Eagle3Drafter:
     """An exported EAGLE-3 folder back as an `Eagle3Drafter` (either format)."""
+    cfg = eagle3_config_from_export(data)
     table = EAGLE3_SPECULATORS_NAMES if data.get("speculators_model_type") == "eagle3" else EAGLE3_VLLM_NAMES
-    back = {dst: src for src, dst in table.items()}
+    back = {dst: src for src, dst in with_later_layers(table, cfg.num_layers).items()}
     weights = {rename_tensor(k, back): v for k, v in load_file(str(folder / WEIGHTS_NAME)).items()}
-    return Eagle3Drafter.from_weights(eagle3_config_from_export(data), weights, target_model, str(folder))
+    return Eagle3Drafter.from_weights(cfg, weights, target_model, str(folder))

@@ -8,6 +8,8 @@ vllm-project/speculators `models/eagle3/core.py`):
   * One Llama-style decoder layer (`midlayer`, no q/k norm) whose attention input is
     concat(input_layernorm(embed(token)), hidden_norm(hidden)): 2D wide, so q/k/v_proj
     take 2D inputs. The residual is the *hidden* stream (vLLM's `norm_before_residual=False`).
+    The paper has that one layer; `drafter.num_layers` > 1 adds plain Llama layers after it
+    (`later`, served by vLLM as `layers.1..`: its `LlamaDecoderLayer` reads 2D only at `layer_idx` 0).
   * `norm` then `lm_head` over the **draft vocabulary** (`draft_vocab_size` rows);
     draft id i is target id `i + d2t[i]`, and `t2d` marks the target ids in the draft
     vocabulary (both from the tokenize stage, kept as buffers and saved with the weights).
@@ -81,20 +83,20 @@ def ttt_attention_mask(n_rows: int, step: int, device: torch.device | str = "cpu
 
 
 class Eagle3Attention(nn.Module):
-    """Llama GQA attention on 2D-wide inputs; keys/values of earlier unroll steps come in `past`."""
+    """Llama GQA attention on `width`-wide inputs (2D in `midlayer`: [embedding, hidden]); keys/values of earlier
+    unroll steps come in `past`."""
 
-    def __init__(self, cfg: Eagle3Config):
+    def __init__(self, cfg: Eagle3Config, width: int):
         super().__init__()
         self.n_head, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        D2 = 2 * cfg.hidden_size  # EAGLE-3: [embedding, hidden] concatenated
-        self.q_proj = nn.Linear(D2, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(D2, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(D2, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(width, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, rope, past: list[tuple[torch.Tensor, torch.Tensor]], mask):
-        """x (B, T, 2D); past: k/v (B, Hkv, T, hd) of earlier steps; mask (B, T, (len(past)+1)*T).
+        """x (B, T, width); past: k/v (B, Hkv, T, hd) of earlier steps; mask (B, T, (len(past)+1)*T).
 
         Returns:
             (B, T, D) output and this step's (k, v).
@@ -110,13 +112,13 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
-    """The single decoder layer (`midlayer`, vLLM's and EAGLE-3's name for it)."""
+    """The first decoder layer (`midlayer`, vLLM's and EAGLE-3's name for it; the paper's only one)."""
 
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = Eagle3Attention(cfg, 2 * cfg.hidden_size)  # EAGLE-3: [embedding, hidden] concatenated
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -125,6 +127,23 @@ class Eagle3Layer(nn.Module):
         # first, as vLLM concatenates); the residual stream is the un-normed hidden.
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # (B, T, 2D)
         a, kv = self.self_attn(x, rope, past, mask)
+        h = hidden + a
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class LaterLayer(nn.Module):
+    """A decoder layer after `midlayer` (`drafter.num_layers` > 1): a plain pre-norm Llama layer on the hidden
+    stream, named as the target's so `train.init_from_target` copies one whole."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, hidden, rope, past, mask):
+        a, kv = self.self_attn(self.input_layernorm(hidden), rope, past, mask)
         h = hidden + a
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -147,7 +166,6 @@ class Eagle3Drafter(SharedTargetDrafter):
     """
 
     shared_prefixes = SHARED_PREFIXES
-    decoder_prefix = "midlayer"
 
     def __init__(self, cfg: Eagle3Config, target_model: nn.Module, d2t: torch.Tensor | None = None,
                  t2d: torch.Tensor | None = None):
@@ -161,12 +179,13 @@ class Eagle3Drafter(SharedTargetDrafter):
         D = cfg.hidden_size
         self.fc = nn.Linear(3 * D, D, bias=False)  # EAGLE-3: fuse low/mid/high taps
         self.midlayer = Eagle3Layer(cfg)
+        self.later = nn.ModuleList(LaterLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(D, cfg.draft_vocab_size, bias=False)  # draft vocabulary only
         d2t, t2d = _vocab_maps(cfg, d2t, t2d)
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
-        for module in [self.fc, *self.midlayer.modules()]:
+        for module in [self.fc, *self.midlayer.modules(), *self.later.modules()]:
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)  # HF initializer_range
         with torch.no_grad():  # draftflow's choice: start the draft head at the target head's rows
@@ -180,7 +199,7 @@ class Eagle3Drafter(SharedTargetDrafter):
         layer's q/k/v and `hidden_norm` as its input norm, so the first drafts start as that target layer applied to
         the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 -> 1.429, docs/results.md).
         Skipped where the widths differ (a target wider than the drafter) or the layer is not Llama-shaped."""
-        D, source, names = self.config.hidden_size, sources[-1], ("q_proj", "k_proj", "v_proj")
+        D, source, names = self.config.hidden_size, sources[0], ("q_proj", "k_proj", "v_proj")  # midlayer's
         mine = {n: getattr(self.midlayer.self_attn, n).weight for n in names}
         theirs = {n: getattr(getattr(source, "self_attn", None), n, None) for n in names}
         norm = getattr(source, "input_layernorm", None)
@@ -200,13 +219,21 @@ class Eagle3Drafter(SharedTargetDrafter):
         d2t = self.d2t.to(draft_ids.device)
         return draft_ids + d2t[draft_ids]
 
-    def step(self, ids, hidden, pos, past, mask) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """One pass of the layer: ids (B, T) tokens, hidden (B, T, D) hidden stream, pos (B, T)
-        RoPE positions, past k/v of earlier steps, mask (B, T, keys) -> (pre-norm hidden, (k, v))."""
+    def decoder_layers(self) -> list[nn.Module]:
+        return [self.midlayer, *self.later]
+
+    def step(self, ids, hidden, pos, past, mask) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """One pass of the layers: ids (B, T) tokens, hidden (B, T, D) hidden stream, pos (B, T) RoPE positions,
+        past: the keys/values of earlier steps (what this returned for them), mask (B, T, keys) -> (pre-norm hidden,
+        keys/values (B, Hkv, T, hd) of every layer, flat: (k, v) of `midlayer`, then of each `later` layer)."""
         dtype = self.fc.weight.dtype
         emb = self.embed_tokens(ids).to(dtype)
         rope = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta, dtype)
-        return self.midlayer(emb, hidden.to(dtype), rope, past, mask)
+        h, kv = self.midlayer(emb, hidden.to(dtype), rope, [p[:2] for p in past], mask)
+        for j, layer in enumerate(self.later, start=1):
+            h, more = layer(h, rope, [p[2 * j : 2 * j + 2] for p in past], mask)
+            kv += more
+        return h, kv
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of layer outputs."""

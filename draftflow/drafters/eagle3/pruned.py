@@ -54,14 +54,14 @@ def pruned(drafter, feats: torch.Tensor, step_ids: torch.Tensor, pos: torch.Tens
     hidden = drafter.fc(feats.to(drafter.fc.weight.dtype))
     rows = torch.arange(R, device=feats.device)
     causal = rows[:, None] >= rows[None, :]  # step 0's keys up to the row
-    past: list[tuple[torch.Tensor, torch.Tensor]] = []
+    past: list[tuple[torch.Tensor, ...]] = []  # each step's keys/values (`Eagle3Drafter.step`)
     for i in range(K):
         mask = torch.cat([causal] + [torch.eye(rows.numel(), dtype=torch.bool, device=feats.device)] * i, 1)
         hidden, kv = drafter.step(step_ids[:, i, rows], hidden, pos[:, rows] + i, past, mask[None])
         alive = keep(i, rows, hidden)
         rows, hidden, causal = rows[alive], hidden[:, alive], causal[alive]
         # step 0's keys serve every row; later steps' only their own row, so they follow the rows still run
-        past = [(k[:, :, alive], v[:, :, alive]) if j else (k, v) for j, (k, v) in enumerate([*past, kv])]
+        past = [tuple(t[:, :, alive] for t in p) if j else p for j, p in enumerate([*past, kv])]
         if not rows.numel():
             return
 

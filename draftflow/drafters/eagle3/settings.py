@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from draftflow.config.fields import Section
 
 
 class Eagle3Settings(Section):
-    num_layers: int = Field(1, description="decoder layers: EAGLE-3 has exactly one")
+    num_layers: int = Field(1, ge=1, description="decoder layers: the paper's one (the first reads [embedding, "
+                            "hidden]), or more plain Llama layers after it (vLLM serves them)")
     draft_vocab_size: int = Field(32000, ge=1, description="the draft vocabulary: the N most frequent supervised "
                                   "tokens (counted by tokenize, chosen by train)")
     ttt_steps: int = Field(7, ge=1, description="training-time-test unroll steps = drafts per round")
@@ -22,14 +23,6 @@ class Eagle3Settings(Section):
         "draft token (target: the paper; one pass of the target's whole LM head per training sequence) or where the "
         "sequence's next token is one (tokens: the same positions for greedy regenerations, no pass of the whole "
         "head); null = train.recipe's (paper: target, draftflow: tokens)")
-
-
-    @field_validator("num_layers")
-    @classmethod
-    def _one_layer(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError(f"EAGLE-3 has exactly one decoder layer, not {value}: remove drafter.num_layers or set 1")
-        return value
 
 
 SETTINGS = Eagle3Settings

@@ -1,4 +1,4 @@
-"""The EAGLE-3 kind's spec (arXiv 2503.01840): three fused taps, one layer, training-time-test unroll.
+"""The EAGLE-3 kind's spec (arXiv 2503.01840): three fused taps, its decoder layers, training-time-test unroll.
 
 It wires this folder's parts (data rule, config, model and chain drafting, objective, exporters, the
 draft vocabulary) and adds `CachedChainProposer` (the same chain from a KV cache of the target's rows)
@@ -42,8 +42,8 @@ def propose(drafter: Eagle3Drafter, seq: list[int], anchor: int, ctx: torch.Tens
 class CachedChainProposer:
     """`propose` (`draft_chain`) with the keys/values of the target's rows cached.
 
-    Row p pairs the target's taps h_p with token p+1 at position p; with one layer and nothing
-    before it, its keys/values depend on that row alone, so a row is computed once, when the
+    Row p pairs the target's taps h_p with token p+1 at position p; its keys/values (at every
+    layer) depend on rows <= p alone, which never change, so a row is computed once, when the
     target has read position p and produced token p+1, and kept. Only the newest rows are
     queried. The chain's own rows (a draft's output hidden with its token) are speculative and
     live for one step. A row's query sees every row up to itself (`draft_chain`'s causal mask).
@@ -51,12 +51,12 @@ class CachedChainProposer:
 
     def __init__(self, drafter: Eagle3Drafter):
         self.drafter = drafter
-        self.kv: tuple[torch.Tensor, torch.Tensor] | None = None  # (1, Hkv, rows, hd) each
+        self.kv: tuple[torch.Tensor, ...] | None = None  # (1, Hkv, rows, hd), k and v of each layer
         self.length = 0  # rows cached = positions the target has read
 
     def _rows(self, ids: torch.Tensor, hidden: torch.Tensor, start: int, past: list) -> tuple[torch.Tensor, tuple]:
         """Layer outputs (m, D) and keys/values of m rows at positions start.. after the `past` rows."""
-        m, c = ids.numel(), sum(k.shape[2] for k, _ in past)
+        m, c = ids.numel(), sum(kv[0].shape[2] for kv in past)
         pos = torch.arange(start, start + m, device=ids.device)
         mask = torch.arange(c + m, device=ids.device)[None, :] <= c + torch.arange(m, device=ids.device)[:, None]
         h, kv = self.drafter.step(ids[None], hidden[None], pos[None], past, mask[None])
@@ -73,10 +73,10 @@ class CachedChainProposer:
         ids = torch.tensor((seq + [anchor])[self.length + 1 : n + 1], dtype=torch.long, device=device)
         assert ids.numel() == new_feats.shape[0], (ids.numel(), new_feats.shape)
         hidden = d.fc(new_feats.to(device, d.fc.weight.dtype))  # (m, D) the new target rows
-        h, (k, v) = self._rows(ids, hidden, self.length, [self.kv] if self.kv else [])
+        h, kv = self._rows(ids, hidden, self.length, [self.kv] if self.kv else [])
         if self.kv:
-            k, v = torch.cat([self.kv[0], k], dim=2), torch.cat([self.kv[1], v], dim=2)
-        self.kv, self.length = (k, v), n
+            kv = tuple(torch.cat([old, new], dim=2) for old, new in zip(self.kv, kv, strict=True))
+        self.kv, self.length = kv, n
         past, g, drafts, logits = [self.kv], h[-1:], [], []  # g: the newest row's output hidden
         for j in range(d.config.ttt_steps):
             logits.append(d.logits(g[-1]))
@@ -92,10 +92,10 @@ def drafts_per_step(drafter) -> int:
 
 
 def train_flops(cfg: RunConfig, T: float, shape: dict[str, Any]) -> float:
-    """Per unroll step over T rows: 6 x (one layer + fc 3D x D + draft head) params per row, plus the
+    """Per unroll step over T rows: 6 x (the layers + fc 3D x D + draft head) params per row, plus the
     target head's forward over T rows for the soft targets (2 x LM head x T)."""
     D, K = shape["hidden"], cfg.drafter.ttt_steps
-    params = shape["layer_params"] + 3 * D * D + cfg.drafter.draft_vocab_size * D
+    params = cfg.drafter.num_layers * shape["layer_params"] + 3 * D * D + cfg.drafter.draft_vocab_size * D
     return 6 * params * K * T + 2 * shape["head_params"] * T
 
 
