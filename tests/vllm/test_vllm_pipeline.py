@@ -139,10 +139,12 @@ def _eval_prompts_and_greedy(cfg, summary, tiny_target):
     return prompts, [greedy_generate(model, p, cfg.evaluate.max_new_tokens, eos) for p in prompts], sorted(eos)
 
 
-def test_both_eagle3_exports_served_lossless(prefect_harness, tmp_path):
+@pytest.mark.parametrize("layers", [1, 2])  # the paper's one layer; two: vLLM's `layers.1` after `midlayer`
+def test_both_eagle3_exports_served_lossless(prefect_harness, tmp_path, layers):
     from flows.pipeline import pipeline
 
-    cfg = eagle3_config(tmp_path / "run", "evaluate.engine=vllm", *VLLM_OVERRIDES, UNTIMED)
+    cfg = eagle3_config(tmp_path / "run", "evaluate.engine=vllm", *VLLM_OVERRIDES, UNTIMED,
+                        f"drafter.num_layers={layers}")
     summary = pipeline(cfg)
     report = _served(summary)
     assert set(report["vllm"]) == {"vllm", "speculators"}

@@ -195,9 +195,10 @@ class Eagle3Drafter(SharedTargetDrafter):
     @torch.no_grad()
     def init_beyond_names(self, sources: list[nn.Module]) -> list[str]:
         """What the target gives an EAGLE-3 layer beyond the tensors of matching name and shape (draftflow's choice):
-        `fc` starts as the identity on the deepest tap (zero on the others), the hidden half of q/k/v as the target
-        layer's q/k/v and `hidden_norm` as its input norm, so the first drafts start as that target layer applied to
-        the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 -> 1.429, docs/results.md).
+        `fc` starts as the identity on the deepest tap (zero on the others), the hidden half of `midlayer`'s q/k/v as
+        its target layer's q/k/v (`sources[0]`) and `hidden_norm` as its input norm, so the first drafts start as the
+        target's layers applied to the deepest tap, not as noise (held out on SmolLM2 at 300 steps: tau 1.308 ->
+        1.429, docs/results.md); `later` layers are copied whole by name.
         Skipped where the widths differ (a target wider than the drafter) or the layer is not Llama-shaped."""
         D, source, names = self.config.hidden_size, sources[0], ("q_proj", "k_proj", "v_proj")  # midlayer's
         mine = {n: getattr(self.midlayer.self_attn, n).weight for n in names}
