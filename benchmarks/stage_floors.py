@@ -53,7 +53,7 @@ from draftflow.features import FeatureSample, round_trip
 from draftflow.models.weights import read_weights_and_config
 from draftflow.stages.extract import target_depth
 from draftflow.target import eos_token_ids, load_target, resolve_target
-from draftflow.training.distributed import DistEnv, prepare_model
+from draftflow.training.distributed import DistEnv, adamw, prepare_model
 from draftflow.training.job import as_stored, mask_token_id
 from draftflow.training.loop import _Run, _train_step
 from draftflow.training.schedule import warmup_cosine
@@ -172,7 +172,7 @@ def train_row(cfg: RunConfig, drafter, samples: list[FeatureSample], steps: int,
     tcfg, device = cfg.train, drafter.lm_head.weight.device
     drafter = prepare_model(drafter.train(), tcfg, DistEnv(), device)  # bf16 autocast on CUDA, as the stage
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    opt = adamw(params, tcfg)  # the train stage's optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(1, 10**6))
     spec = spec_for_architecture(drafter.config.architecture)
     run = _Run(drafter, opt, sched, samples, tcfg, spec.objective(drafter.config, tcfg), steps, "", {}, device,
@@ -184,7 +184,7 @@ def train_row(cfg: RunConfig, drafter, samples: list[FeatureSample], steps: int,
     supervised = sum(int((b.labels != IGNORE).sum()) for step in blocks for b, _ in step)
     if supervised == 0:
         raise SystemExit("error: no block fits in a completion: raise --max-new-tokens above drafter.block_size")
-    floor_opt = torch.optim.AdamW(params, lr=tcfg.lr)
+    floor_opt = adamw(params, tcfg)
 
     def ours() -> int:
         return sum(int(sum(_train_step(run, seqs, k)["valid"])) for k, seqs in enumerate(plan))

@@ -49,6 +49,7 @@ from draftflow.training.checkpoint import (
 )
 from draftflow.training.distributed import (
     DistEnv,
+    adamw,
     all_reduce_sum,
     clip_gradients,
     init_distributed,
@@ -254,7 +255,7 @@ def train_drafter(
     drafter = drafter.to(device)
     drafter = prepare_model(drafter, tcfg, env, device)  # FSDP2 shards (train.parallel), bf16 autocast on CUDA
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    opt = adamw(params, tcfg)  # fused where it can be
     lengths = _lengths(samples)
     train_set, held = heldout.split(samples, lengths, tcfg.heldout_fraction if tcfg.eval_every != "off" else 0.0)
     total = total_steps(len(train_set), tcfg)
