@@ -224,7 +224,7 @@ CONFIG = {
     "tap_beyond_the_target": (["drafter.target_layer_ids=[1,2,40]"], ["40"]),
     "taps_vs_num_taps": (["drafter.target_layer_ids=[1,2]"], ["drafter"]),
     "bad_layer_type": (["drafter.layer_types=[full_attention,bogus]"], ["layer_types"]),
-    "eagle3_two_layers": (["drafter.kind=eagle3", "drafter.num_layers=2"], ["num_layers"]),
+    "eagle3_no_layers": (["drafter.kind=eagle3", "drafter.num_layers=0"], ["num_layers"]),
     "unknown_policy": (["tokenize.policy=everything"], ["tokenize.policy"]),
     "unknown_extract_dtype": (["extract.dtype=int4"], ["extract.dtype"]),
     "top_p_zero": (["regenerate.top_p=0"], ["regenerate.top_p"]),
