@@ -249,7 +249,7 @@ class Eagle3Drafter(SharedTargetDrafter):
             pos: (B, T) RoPE positions of step 0 (step i uses pos + i).
         """
         hidden = self.fc(feats.to(self.fc.weight.dtype))  # (B, T, D)
-        past: list[tuple[torch.Tensor, torch.Tensor]] = []
+        past: list[tuple[torch.Tensor, ...]] = []  # each step's keys/values of every layer (`step`)
         out = []
         for i in range(step_ids.shape[1]):
             mask = ttt_attention_mask(feats.shape[1], i, feats.device)[None]
